@@ -1,0 +1,51 @@
+"""The one FP8 latent-KV format (DESIGN.md, "Paged KV cache").
+
+One cached token is 656 bytes:
+
+    bytes   0 .. 511   c_kv, 512 values in float8_e4m3fn, 4 tiles of 128
+    bytes 512 .. 527   4 float32 scales, one per tile (value = fp8 * scale)
+    bytes 528 .. 655   k_pe, 64 values in bfloat16, unquantized
+
+Every kernel that reads FP8 KV dequantizes exactly this layout; the torch
+functions here are its definition.
+"""
+
+import torch
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+D_QK = KV_LORA_RANK + ROPE_DIM          # 576
+TILE = 128
+NUM_TILES = KV_LORA_RANK // TILE        # 4
+SCALE_OFFSET = KV_LORA_RANK             # 512
+ROPE_OFFSET = SCALE_OFFSET + 4 * NUM_TILES  # 528
+PACKED_BYTES = ROPE_OFFSET + 2 * ROPE_DIM   # 656
+E4M3_MAX = 448.0
+# A tile of zeros still gets a positive scale, so that dequantization never divides by zero.
+MIN_SCALE = 1e-10
+
+
+def quantize(kv: torch.Tensor) -> torch.Tensor:
+    """kv [..., 576] (bf16/fp16/fp32) -> packed uint8 [..., 656]."""
+    lead = kv.shape[:-1]
+    flat = kv.reshape(-1, D_QK)
+    ckv = flat[:, :KV_LORA_RANK].float().view(-1, NUM_TILES, TILE)
+    scale = (ckv.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)  # [n, 4]
+    q = (ckv / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = torch.empty(flat.shape[0], PACKED_BYTES, dtype=torch.uint8, device=kv.device)
+    out[:, :SCALE_OFFSET] = q.view(-1, KV_LORA_RANK).view(torch.uint8)
+    out[:, SCALE_OFFSET:ROPE_OFFSET] = scale.contiguous().view(torch.uint8)
+    kpe = flat[:, KV_LORA_RANK:].to(torch.bfloat16).contiguous()
+    out[:, ROPE_OFFSET:] = kpe.view(torch.uint8)
+    return out.view(*lead, PACKED_BYTES)
+
+
+def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """packed uint8 [..., 656] -> [..., 576] in `dtype` (the values computed in float32)."""
+    lead = packed.shape[:-1]
+    flat = packed.reshape(-1, PACKED_BYTES)
+    q = flat[:, :SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn).float().view(-1, NUM_TILES, TILE)
+    scale = flat[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32)  # [n, 4]
+    ckv = (q * scale[..., None]).view(-1, KV_LORA_RANK)
+    kpe = flat[:, ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([ckv, kpe], dim=-1).to(dtype).view(*lead, D_QK)
