@@ -66,7 +66,7 @@ CONFIG = {
     "topk_group": 1,
     "norm_topk_prob": True,
     "routed_scaling_factor": 2.5,
-    "index_n_heads": 4,
+    "index_n_heads": 16,
     "index_head_dim": 64,
     "index_topk": 16,
     "hidden_act": "silu",
