@@ -12,6 +12,7 @@ from mlaserve.attention.base import AttentionBackend, BackendConfig
 # name -> (module, class). Each class may define `unavailable_reason(config) -> str | None`.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("mlaserve.attention.torch_backend", "TorchBackend"),
+    "flashinfer": ("mlaserve.attention.flashinfer_backend", "FlashInferBackend"),
 }
 
 

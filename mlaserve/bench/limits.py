@@ -1,0 +1,72 @@
+"""The GPU's two ceilings, measured in the same run as the kernels they judge, and the timer.
+
+Copy bandwidth: a 2 GiB device-to-device copy, counting bytes read plus bytes written.
+Matrix rate: an 8192^3 bf16 matmul on random data (zeros run faster and would flatter the kernels).
+Both are medians of `triton.testing.do_bench`, which clears the L2 before every timed call.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+COPY_BYTES = 2 << 30
+MATMUL_N = 8192
+
+
+@dataclass(frozen=True)
+class Limits:
+    copy_tbps: float | None       # TB/s, read + written bytes
+    matmul_tflops: float | None   # bf16 dense, random data
+    note: str
+
+    def as_dict(self) -> dict:
+        return {"copy_tbps": self.copy_tbps, "matmul_tflops": self.matmul_tflops, "note": self.note}
+
+
+def time_us(fns: list[Callable[[], object]], device: torch.device, warmup_ms: float = 10,
+            rep_ms: float = 50) -> float:
+    """Median time of one call in µs, rotating among `fns` (one per input set, so L2 never holds the inputs).
+
+    CUDA: `triton.testing.do_bench` (events around each call, L2 cleared before each). CPU: wall clock
+    over a few calls, so that the CPU test exercises the same path.
+    """
+    calls = [0]
+
+    def fn():
+        f = fns[calls[0] % len(fns)]
+        calls[0] += 1
+        return f()
+
+    if device.type == "cuda":
+        import triton.testing
+        return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 20):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def measure(device: torch.device, rep_ms: float = 100) -> Limits:
+    """Copy bandwidth and bf16 matmul rate of `device`; on a CPU nothing is measured (and the note says so)."""
+    if device.type != "cuda":
+        return Limits(None, None, f"not measured: no CUDA device (ran on {device.type}); ratios to limits omitted")
+    gen = torch.Generator(device=device).manual_seed(0)
+    src = torch.randn(COPY_BYTES // 2, dtype=torch.bfloat16, device=device, generator=gen)
+    dst = torch.empty_like(src)
+    copy_us = time_us([lambda: dst.copy_(src)], device, rep_ms=rep_ms)
+    del src, dst
+    a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=device, generator=gen)
+    b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=device, generator=gen)
+    mm_us = time_us([lambda: a @ b], device, rep_ms=rep_ms)
+    del a, b
+    torch.cuda.empty_cache()
+    return Limits(copy_tbps=2 * COPY_BYTES / copy_us / 1e6, matmul_tflops=2 * MATMUL_N ** 3 / mm_us / 1e6,
+                  note=f"copy: {COPY_BYTES >> 30} GiB device-to-device, read+written bytes; "
+                       f"matmul: bf16 {MATMUL_N}^3 on random data; medians of triton.testing.do_bench")

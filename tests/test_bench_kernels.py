@@ -1,0 +1,239 @@
+"""`mlaserve bench kernels` on the CPU: the quick run end to end, its counting rules, its checks, and the
+FlashInfer peer's adapter pieces that need no GPU."""
+
+import json
+
+import pytest
+import torch
+
+from mlaserve import ops
+from mlaserve.attention import flashinfer_backend as fb
+from mlaserve.attention import registry
+from mlaserve.attention.base import BackendConfig
+from mlaserve.bench import kernels, peers, report, runners
+from mlaserve.bench.shapes import DenseShape, IndexerShape, SparseShape, dense_shapes, sparse_shapes
+from mlaserve.kernels import fp8_format
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = kernels.main(["--quick", "--backends", "torch", "--out", str(out), "--disable-tqdm", "--fresh",
+                         "--rep-ms", "1"])
+    return code, out
+
+
+def test_quick_run_writes_json_and_png(quick_run, capsys):
+    code, out = quick_run
+    assert code == 0
+    data = json.loads((out / "kernels.json").read_text())
+    assert data["schema"] == report.SCHEMA
+    for key in ("date", "torch", "triton", "git_commit", "gpu"):
+        assert key in data["env"]
+    assert data["limits"]["copy_tbps"] is None and "not measured" in data["limits"]["note"]
+    assert data["backends"]["torch"]["kind"] == "mlaserve"
+    suites = {r["suite"] for r in data["rows"]}
+    assert suites == {"dense", "sparse", "indexer"}
+    for row in data["rows"]:
+        assert row["backend"] == "torch" and row["status"] == "ok", row
+        assert row["time_us"] > 0 and row["bytes"] > 0 and row["flops"] > 0
+        assert row["check"]["ok"]
+        assert row["tbps"] == pytest.approx(row["bytes"] / row["time_us"] / 1e6)
+    assert any(r["kv"] == "fp8" for r in data["rows"])
+    png = (out / "kernels.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_report_mode_reprints_the_table(quick_run, capsys):
+    _, out = quick_run
+    capsys.readouterr()
+    assert kernels.main(["--report", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "not measured" in text
+    assert "dense   b2 sq1 sk256 h4 fix" in text and "indexer prefill" in text
+
+
+def test_unknown_backend_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="unknown backend"):
+        kernels.main(["--quick", "--backends", "nope", "--out", str(tmp_path)])
+
+
+def test_standard_shapes_need_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert kernels.main(["--out", str(tmp_path)]) == 2
+
+
+# -- counting rules --
+
+def test_dense_counts_match_the_brief_and_kernel_notes():
+    s = DenseShape(128, 1, 4096, 16)
+    total_k = 128 * 4096
+    assert s.flops(total_k) == 2 * 128 * 1 * 16 * 4096 * (576 + 512)
+    q, kv, o, lse = 128 * 16 * 576 * 2, total_k * 576 * 2, 128 * 16 * 512 * 2, 128 * 16 * 4
+    assert s.bytes(total_k) == q + kv + o + lse
+    # KERNEL-NOTES: FlashInfer at b128 s_q1 h16 s_k 4k, 159 µs = 3.82 TB/s; h128, 297 µs = 491 TFLOP/s
+    assert s.bytes(total_k) / 159e-6 / 1e12 == pytest.approx(3.82, abs=0.02)
+    assert DenseShape(128, 1, 4096, 128).flops(total_k) / 297e-6 / 1e12 == pytest.approx(491, abs=2)
+    fp8 = DenseShape(128, 2, 4096, 16, "fp8")
+    assert fp8.bytes(total_k) - fp8.bytes(total_k, row_bytes=576 * 2) == total_k * (656 - 1152)
+    assert fp8.flops(total_k) == 2 * s.flops(total_k)
+
+
+def test_sparse_and_indexer_counts():
+    s = SparseShape("prefill", 1, 4096, 32768, 128)
+    assert s.flops() == 2 * 4096 * 128 * 2048 * 1088
+    assert s.flops() / 4349e-6 / 1e12 == pytest.approx(537, abs=2)       # KERNEL-NOTES' sparse peer figure
+    t = 4096
+    assert s.bytes() == t * 128 * 576 * 2 + t * 2048 * 1152 + t * 128 * 512 * 2 + t * 128 * 4
+    assert SparseShape("decode", 128, 2, 32768, 64, kv="fp8").bytes() - \
+        SparseShape("decode", 128, 2, 32768, 64).bytes() == 256 * 2048 * (656 - 1152)
+    i = IndexerShape("decode", 128, 1, 32768)
+    assert i.flops() == 2 * 128 * 64 * 128 * 32768
+    assert i.bytes() == 128 * 64 * 128 * 2 + 128 * 64 * 4 + 128 * 32768 * 128 * 2 + 128 * 2048 * 4
+
+
+def test_standard_shape_lists():
+    dense = dense_shapes()
+    assert len(dense) == 140 and len({(s.key, s.kv) for s in dense}) == 140
+    assert {s.h for s in dense} == {16, 32, 64, 128} and {s.b for s in dense} == {1, 4, 16, 128}
+    assert len(sparse_shapes()) == 19
+
+
+# -- checks --
+
+def test_check_catches_wrong_and_nonfinite_outputs():
+    shape = DenseShape(2, 1, 64, 4)
+    ref = (torch.randn(2, 1, 4, 512), torch.randn(2, 1, 4))
+    assert runners.check(shape, (ref[0].to(torch.bfloat16), ref[1]), ref)["ok"]
+    wrong = ref[0] + 0.05 * torch.randn_like(ref[0])
+    res = runners.check(shape, (wrong, ref[1]), ref)
+    assert not res["ok"] and "rel err" in res["reason"]
+    nan = ref[0].clone()
+    nan[1, 0, 2, 7] = float("nan")
+    assert "non-finite" in runners.check(shape, (nan, ref[1]), ref)["reason"]
+    assert "lse" in runners.check(shape, (ref[0], ref[1] + 0.1), ref)["reason"]
+
+
+def test_topk_check_measures_recall():
+    shape = IndexerShape("decode", 1, 2, 512, topk=100)
+    ref = torch.stack([torch.randperm(512)[:100], torch.randperm(512)[:100]]).to(torch.int32)[None]
+    assert runners.check(shape, ref.flip(-1), ref)["recall"] == 1.0
+    got = ref.clone()
+    got[0, 0, :5] = -1
+    res = runners.check(shape, got, ref)
+    assert res["recall"] == pytest.approx(195 / 200) and not res["ok"]
+
+
+def test_subset_reference_equals_the_full_problem_rows():
+    """The reference subset must be a problem of its own: same rows as the full reference."""
+    from mlaserve.bench import inputs
+    shape = DenseShape(5, 2, 100, 3, varlen=True, d_qk=80, d_v=64)
+    di = inputs.make_dense(shape, torch.device("cpu"), seed=1, rotate_bytes=0)
+    full = ops.mla_decode(di.q[0], di.kv[0], di.paging.block_table, di.paging.seqlens, di.scale, head_dim_v=64,
+                          backend="torch")
+    subset = runners.pick_subset(shape.b, shape.s_q, torch.device("cpu"))
+    part = runners.reference(shape, di, subset)
+    got = runners.take_subset(shape, full, subset)
+    assert torch.equal(got[0], part[0]) and torch.equal(got[1], part[1])
+    ishape = IndexerShape("prefill", 2, 70, 300, heads=2, dim=16, topk=40)
+    ii = inputs.make_indexer(ishape, torch.device("cpu"), seed=2, rotate_bytes=0)
+    full = ops.indexer_topk(ii.q[0], ii.weights[0], ii.k_cache[0], ii.paging.block_table, ii.paging.seqlens, 40,
+                            backend="torch")
+    subset = runners.pick_subset(2, 70, torch.device("cpu"))
+    assert subset.rows == 64
+    assert runners.check(ishape, runners.take_subset(ishape, full, subset),
+                         runners.reference(ishape, ii, subset))["recall"] == 1.0
+
+
+# -- report --
+
+def test_derive_rates_roofline_and_peer_ratios():
+    base = {"suite": "dense", "key": "k", "shape": {}, "bytes": 4e9, "flops": 1e12}
+    data = {"limits": {"copy_tbps": 4.0, "matmul_tflops": 800.0}, "rows": [
+        dict(base, kv="bf16", backend="triton", status="ok", time_us=2000.0),
+        dict(base, kv="bf16", backend="flashinfer", status="ok", time_us=1600.0),
+        dict(base, kv="fp8", backend="triton", status="ok", time_us=1000.0),
+        dict(base, kv="bf16", backend="sglang", status="error", reason="boom")]}
+    report.derive(data)
+    tri, fi, tri8, _ = data["rows"]
+    assert tri["tbps"] == pytest.approx(2.0) and tri["tflops"] == pytest.approx(500.0)
+    # roofline time: max(4e9 B / 4 TB/s = 1000 µs, 1e12 FLOP / 800 TFLOP/s = 1250 µs)
+    assert tri["roofline_frac"] == pytest.approx(1250 / 2000)
+    assert tri["bw_frac"] == pytest.approx(0.5) and tri["flop_frac"] == pytest.approx(500 / 800)
+    assert tri["vs"] == {"flashinfer": pytest.approx(0.8), "triton@fp8": pytest.approx(0.5)}
+    assert tri8["vs"]["flashinfer@bf16"] == pytest.approx(1.6)
+    text = report.table(data)
+    assert "sglang ERROR" in text and "flashinfer 1600.0 (0.80x)" in text
+
+
+def test_merge_keeps_other_rows_and_replaces_same_ids():
+    row = {"suite": "dense", "key": "a", "kv": "bf16", "backend": "triton", "status": "ok", "time_us": 1.0}
+    old = {"rows": [row, dict(row, key="b")], "backends": {"triton": {}}, "notes": ["x"], "limits": {}}
+    new = {"rows": [dict(row, time_us=2.0)], "backends": {"flashinfer": {}}, "notes": ["y"], "limits": {}}
+    merged = report.merge(old, new)
+    assert sorted((r["key"], r["time_us"]) for r in merged["rows"]) == [("a", 2.0), ("b", 1.0)]
+    assert set(merged["backends"]) == {"triton", "flashinfer"} and merged["notes"] == ["x", "y"]
+
+
+# -- the FlashInfer peer without a GPU --
+
+def _config(**kw):
+    base = dict(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16, kv_cache_dtype="auto",
+                device=torch.device("cpu"))
+    return BackendConfig(**{**base, **kw})
+
+
+def test_flashinfer_reports_why_it_cannot_run_here(monkeypatch):
+    reason = registry.unavailable_reason("flashinfer", _config())
+    assert reason is not None
+    if fb.importlib.util.find_spec("flashinfer") is None:
+        assert "pip install flashinfer-python" in reason
+    with pytest.raises(ValueError, match="flashinfer"):
+        registry.create("flashinfer", _config())
+    # past the package check: each remaining reason names the offending value
+    monkeypatch.setattr(fb.importlib.util, "find_spec", lambda name: object())
+    assert "CUDA" in fb.unavailable_reason("cpu", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "SM80" in fb.unavailable_reason("cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "FP8" in fb.unavailable_reason("cuda", torch.bfloat16, "fp8_e4m3")
+    assert "float32" in fb.unavailable_reason("cuda", torch.float32)
+    assert "rope" in fb.unavailable_reason("cuda", torch.bfloat16, "auto", 256, 32)
+    assert "CUDA" in peers.unavailable_reason("sglang", torch.device("cpu"))
+
+
+def test_csr_paging_from_block_table_and_sparse_indices():
+    table = torch.tensor([[7, 3, 9], [4, 0, 0]], dtype=torch.int32)
+    csr = fb.CsrPaging.from_block_table(table, torch.tensor([130, 64], dtype=torch.int32),
+                                        torch.tensor([2, 1], dtype=torch.int32), page_size=64)
+    assert csr.qo_indptr.tolist() == [0, 2, 3] and csr.kv_indptr.tolist() == [0, 3, 4]
+    assert csr.kv_indices.tolist() == [7, 3, 9, 4] and csr.kv_lens.tolist() == [130, 64]
+    idx = torch.tensor([[5, -1, 8], [-1, -1, -1], [1, 2, 3]], dtype=torch.int32)
+    sp = fb.CsrPaging.from_sparse_indices(idx)
+    assert sp.qo_indptr.tolist() == [0, 1, 2, 3] and sp.kv_indptr.tolist() == [0, 2, 2, 5]
+    assert sp.kv_indices.tolist() == [5, 8, 1, 2, 3] and sp.kv_lens.tolist() == [2, 0, 3]
+    assert all(t.dtype == torch.int32 for t in (sp.qo_indptr, sp.kv_indptr, sp.kv_indices, sp.kv_lens))
+
+
+def test_flashinfer_fp8_layout_converts_mlaserve_rows():
+    kv = torch.randn(3, 8, 576)
+    packed = fp8_format.quantize(kv)
+    ckv, scales, kpe8, kpe_scale = peers.flashinfer_fp8_cache(packed)
+    assert ckv.shape == (3, 8, 512) and ckv.dtype == torch.float8_e4m3fn
+    assert scales.shape == (3, 8, 4) and kpe8.shape == (3, 8, 64)
+    mine = fp8_format.dequantize(packed, torch.float32)
+    theirs = peers.flashinfer_fp8_dequant(ckv, scales, kpe8, kpe_scale)
+    assert torch.equal(theirs[..., :512], mine[..., :512])                     # same bytes, same scales
+    kpe = mine[..., 512:]
+    assert (theirs[..., 512:] - kpe).abs().max() <= kpe.abs().max() / 16      # e4m3 keeps 3 mantissa bits
+
+
+def test_sglang_splits_follow_its_heuristic():
+    splits = peers.sglang_num_kv_splits([4096] * 128, num_heads=16, sm_count=132)
+    assert len(set(splits)) == 1 and 1 <= splits[0] <= 8
+    small = peers.sglang_num_kv_splits([32768], num_heads=128, sm_count=132)
+    assert small == [8]                                          # one request fills the GPU only by splitting
+    mixed = peers.sglang_num_kv_splits([1000, 8000], num_heads=16, sm_count=132)
+    assert mixed[1] > mixed[0] and max(mixed) <= 8
