@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import torch
+
 from mlaserve.engine.config import EngineConfig
 from mlaserve.engine.engine import Engine
 from mlaserve.engine.request import RequestOutput
@@ -141,6 +143,9 @@ class AsyncEngine:
     # -- engine thread --
     def _run(self) -> None:
         try:
+            device = self.config.torch_device
+            if device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)   # per thread: kernels launch on the current device
             while True:
                 with self._cond:
                     while not (self._shutdown or self._adds or self._aborts or self.engine.has_unfinished()):

@@ -32,6 +32,8 @@ class Engine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         self.config = config
         device = config.torch_device
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)     # kernels launch on the current device
         if model is None:
             if config.model_path is None:
                 raise ValueError("EngineConfig.model_path is required when no model object is given")
