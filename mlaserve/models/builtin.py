@@ -204,7 +204,7 @@ def _token_bias() -> torch.Tensor:
     return bias
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """The byte-level BPE alphabet: printable Latin-1 bytes stand for themselves, the other bytes
     for the code points from 256 up, in byte order (the mapping every byte-level BPE uses)."""
     keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), 256))
@@ -222,7 +222,7 @@ def _write_tokenizer(out: Path) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for b, ch in sorted(_bytes_to_unicode().items()):
+    for b, ch in sorted(byte_alphabet().items()):
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
