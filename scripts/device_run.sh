@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# ONE command for the H200 device: install the carried peers, run the GPU tests, benchmark every kernel backend.
+#
+# The lead's call, after `scripts/pack_for_device.sh` here (it fills the git-ignored .peers/):
+#   run(command="bash scripts/device_run.sh", carry=[".peers"], timeout_s=600)
+# Tuning sweeps instead of tests + benchmark (the kernel engineers' scripts/tune_*.py):
+#   run(command="PHASES=env,install,tune bash scripts/device_run.sh", carry=[".peers"], timeout_s=600)
+# Only some suites or backends, e.g.:
+#   run(command="BENCH_SUITES=dense BENCH_BACKENDS=triton,flashinfer bash scripts/device_run.sh", carry=[".peers"])
+#
+# Every phase is time-bounded (`timeout`) and independent of the others' success; the whole script keeps
+# inside DEVICE_BUDGET_S (default 560 s, under the 600 s a call may run). Knobs (environment):
+#   PHASES            env,install,pytest,bench (default) — add or use "tune"; MLASERVE_TUNE=1 adds tune
+#   BENCH_SUITES      "dense sparse indexer"      one `bench kernels` process each (a kernel fault in one
+#                                                 suite cannot lose the others' rows: they merge in kernels.json)
+#   BENCH_BACKENDS    all                          comma list: torch,triton,flashinfer,sglang
+#   T_PYTEST 150  T_DENSE 200  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds
+# Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png
+#   and with tune: tune.log tune_mla_decode.json tune_sparse.json
+# The last thing printed is a short table (phases, then the headline kernel shapes).
+
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+LOG=$OUT/device.log
+BUDGET=${DEVICE_BUDGET_S:-560}
+PHASES=",${PHASES:-env,install,pytest,bench},"
+if [ "${MLASERVE_TUNE:-0}" = 1 ]; then PHASES="$PHASES,tune,"; fi
+SUMMARY=()
+
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+# NVLink multicast stays off (KINDS.md); single-GPU work here, but keep the machine's rule explicit.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+say() { echo "$*" | tee -a "$LOG"; }
+has_phase() { case "$PHASES" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+# seconds a phase may take: its own limit, clipped to what the whole budget has left (minus 15 s to finish)
+limit() { local left=$((BUDGET - SECONDS - 15)); if [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi; }
+# run NAME LIMIT_S LOGFILE CMD...: time-bounded, logged, its exit status recorded in the summary
+run_phase() {
+  local name=$1 lim=$2 logfile=$3; shift 3
+  if [ "$lim" -lt 20 ]; then
+    say "== $name: skipped, only ${lim}s of the budget left"; SUMMARY+=("$name: skipped (budget)"); return 0
+  fi
+  say "== $name (limit ${lim}s): $*"
+  local t0=$SECONDS
+  timeout -k 10 "$lim" "$@" >>"$logfile" 2>&1
+  local rc=$?
+  local what="rc $rc"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then what="TIMED OUT after ${lim}s"; fi
+  say "== $name: $what in $((SECONDS - t0))s (log: $(basename "$logfile"))"
+  SUMMARY+=("$name: $what, $((SECONDS - t0))s")
+  return 0
+}
+
+say "device_run.sh: phases ${PHASES//,/ } budget ${BUDGET}s, OUT=$OUT, $(date -u +%FT%TZ)"
+
+# -- env --
+if has_phase env; then
+  {
+    echo "== nvidia-smi"; timeout 30 nvidia-smi
+    echo "== versions"
+    timeout 60 python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, \
+'cuda', torch.version.cuda, '| triton', triton.__version__, '| gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() \
+else None, torch.cuda.device_count(), 'devices')"
+    echo "== commit: $(cat .peers/GIT_COMMIT 2>/dev/null || echo unknown)"
+  } >>"$LOG" 2>&1
+  grep -E "^== versions" -A1 "$LOG" | tail -1
+fi
+
+# -- install: FlashInfer (pruned package + tvm-ffi wheel) and any carried wheels into /tmp/site --
+if has_phase install; then
+  mkdir -p /tmp/site
+  if [ -f .peers/flashinfer/flashinfer-pruned.tar.xz ]; then
+    run_phase install-flashinfer "$(limit 120)" "$LOG" bash -c \
+      "tar -xJf .peers/flashinfer/flashinfer-pruned.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
+       --no-deps --no-compile --no-cache-dir --target /tmp/site .peers/flashinfer/apache_tvm_ffi-*.whl"
+  else
+    say "== install-flashinfer: .peers/flashinfer not carried (run scripts/pack_for_device.sh, carry .peers)"
+  fi
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    run_phase install-wheels "$(limit 120)" "$LOG" python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  if [ -d /tmp/site/flashinfer ] && has_phase bench; then
+    # JIT-build FlashInfer's MLA modules (bf16, fp8) while the GPU tests run; the bench reuses its disk cache
+    say "== flashinfer warm-up started in the background (log /tmp/fi_warm.log, copied into device.log)"
+    timeout -k 10 "$(limit 300)" python3 -c "from mlaserve.bench.peers import warm_flashinfer; warm_flashinfer()" \
+      >/tmp/fi_warm.log 2>&1 &
+    WARM_PID=$!
+  fi
+fi
+
+# -- pytest tests/gpu --
+if has_phase pytest; then
+  if [ -d tests/gpu ]; then
+    extra=()
+    if python3 -c "import pytest_timeout" >/dev/null 2>&1; then extra=(--timeout 180); fi
+    run_phase pytest "$(limit "${T_PYTEST:-150}")" "$OUT/pytest.log" python3 -m pytest -q -p no:cacheprovider \
+      "${extra[@]}" tests/gpu
+    tail -n 15 "$OUT/pytest.log" | tee -a "$LOG"
+  else
+    say "== pytest: no tests/gpu folder"
+  fi
+fi
+
+if [ -n "${WARM_PID:-}" ]; then
+  wait "$WARM_PID"; rc=$?
+  say "== flashinfer warm-up: rc $rc"; cat /tmp/fi_warm.log | tail -n 30 >>"$LOG"; tail -n 3 /tmp/fi_warm.log
+  SUMMARY+=("flashinfer warm-up: rc $rc")
+fi
+
+# -- bench kernels, one process per suite, merging into $OUT/kernels.json --
+if has_phase bench; then
+  first=1
+  for suite in ${BENCH_SUITES:-dense sparse indexer}; do
+    case $suite in dense) t=${T_DENSE:-200} ;; sparse) t=${T_SPARSE:-90} ;; indexer) t=${T_INDEXER:-45} ;; *) t=60 ;; esac
+    lim=$(limit "$t")
+    flags=(--suite "$suite" --backends "${BENCH_BACKENDS:-all}" --out "$OUT" --disable-tqdm --time-budget $((lim - 35)))
+    if [ $first = 0 ]; then flags+=(--no-limits); fi   # limits measured once, kept by the merge
+    run_phase "bench-$suite" "$lim" "$OUT/bench.log" python3 -m mlaserve.cli bench kernels "${flags[@]}"
+    first=0
+  done
+fi
+
+# -- tuning sweeps (scripts/tune_*.py of the kernel engineers), each writing JSON into $OUT --
+if has_phase tune; then
+  for script in scripts/tune_mla_decode.py scripts/tune_sparse.py; do
+    name=$(basename "$script" .py)
+    if [ ! -f "$script" ]; then say "== $name: $script not in the tree"; continue; fi
+    help=$(timeout 60 python3 "$script" --help 2>&1)
+    if grep -q -- "--output" <<<"$help"; then outflag=(--output "$OUT/$name.json")
+    elif grep -q -- "--out" <<<"$help"; then outflag=(--out "$OUT/$name.json")
+    else outflag=("$OUT/$name.json"); fi
+    run_phase "$name" "$(limit "${T_TUNE:-250}")" "$OUT/tune.log" python3 "$script" "${outflag[@]}"
+    tail -n 25 "$OUT/tune.log" | tee -a "$LOG"
+  done
+fi
+
+# -- finish: only plain files, at most 8, stay in $OUT --
+rm -f "$OUT"/*.tmp
+say ""
+say "== phases"
+for line in "${SUMMARY[@]}"; do say "  $line"; done
+say "== files in OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+if [ -f "$OUT/kernels.json" ]; then
+  say "== kernels (headline shapes; every row is in kernels.json, every table line in bench.log)"
+  timeout 60 python3 -m mlaserve.cli bench kernels --report --brief --out "$OUT" 2>&1 | grep -v "^wrote " | tee -a "$LOG"
+fi

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Packs what the GPU device machine lacks into the git-ignored folder .peers/ of the repo root, which the
+# lead names in `carry` (scripts/device_run.sh says the exact call):
+#   .peers/flashinfer/  FlashInfer 0.7.2.post1, pruned to its MLA-relevant sources (~13 MB), + apache-tvm-ffi wheel,
+#                       made by ../shared/tools/pack-flashinfer-for-device.sh
+#   .peers/sglang/      the SGLang wheel (--no-deps, 6 MB); `bench kernels` extracts and imports only its Triton
+#                       decode kernel (triton_ops/decode_attention.py) at run time — SGLang's code is never committed
+#   .peers/GIT_COMMIT   the commit the results belong to (the device gets a copy of the tree without .git)
+# The device image already has torch, triton, tqdm, matplotlib, pytest (KINDS.md): no other wheels are needed.
+# Usage: scripts/pack_for_device.sh        (skips what is already packed; FORCE=1 packs again)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+sglang_version=${SGLANG_VERSION:-0.5.10.post1}
+
+tool=""
+for cand in "$root/../shared/tools/pack-flashinfer-for-device.sh" "$root/shared/tools/pack-flashinfer-for-device.sh" \
+            /work/shared/tools/pack-flashinfer-for-device.sh; do
+  if [ -f "$cand" ]; then tool=$cand; break; fi
+done
+
+if [ "${FORCE:-0}" = 1 ]; then rm -rf .peers/flashinfer .peers/sglang; fi
+mkdir -p .peers
+
+if ls .peers/flashinfer/flashinfer-pruned.tar.xz .peers/flashinfer/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
+  echo "flashinfer: already packed"
+elif [ -n "$tool" ]; then
+  # the tool writes DEST/… after a cd, so it needs an absolute DEST
+  bash "$tool" "$root/.peers/flashinfer"
+else
+  echo "flashinfer: pack-flashinfer-for-device.sh not found (looked in ../shared/tools); skipping" >&2
+fi
+
+if ls .peers/sglang/sglang-*.whl >/dev/null 2>&1; then
+  echo "sglang: already packed"
+else
+  mkdir -p .peers/sglang
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform any --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+    -d .peers/sglang "sglang==$sglang_version"
+  python3 - <<'EOF'
+import glob, zipfile
+wheel = sorted(glob.glob(".peers/sglang/sglang-*.whl"))[-1]
+member = "sglang/srt/layers/attention/triton_ops/decode_attention.py"
+assert member in zipfile.ZipFile(wheel).namelist(), f"{wheel} has no {member}"
+print(f"sglang: {wheel} holds {member}")
+EOF
+fi
+
+commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then commit="$commit-dirty"; fi
+echo "$commit" > .peers/GIT_COMMIT
+echo "packed for commit $commit:"
+du -sh .peers/* | sed 's/^/  /'
+total_mb=$(du -sm .peers | cut -f1)
+if [ "$total_mb" -gt 48 ]; then
+  echo "WARNING: .peers is ${total_mb} MB; with the working tree it must stay under the 64 MiB a device call carries" >&2
+fi
