@@ -7,11 +7,14 @@ would run here. Never a silent fallback.
 
 import importlib
 
+import torch
+
 from mlaserve.attention.base import AttentionBackend, BackendConfig
 
 # name -> (module, class). Each class may define `unavailable_reason(config) -> str | None`.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("mlaserve.attention.torch_backend", "TorchBackend"),
+    "triton": ("mlaserve.attention.triton_backend", "TritonBackend"),
     "flashinfer": ("mlaserve.attention.flashinfer_backend", "FlashInferBackend"),
 }
 
@@ -53,6 +56,9 @@ def create(name: str, config: BackendConfig, **kwargs) -> AttentionBackend:
     """Build backend `name` for `config`; "auto" picks the first capable one of _AUTO_ORDER."""
     if name == "auto":
         for candidate in _AUTO_ORDER:
+            # on the CPU triton runs through its interpreter, which is for tests: never the fastest
+            if candidate == "triton" and torch.device(config.device).type == "cpu":
+                continue
             if candidate in _BACKENDS and unavailable_reason(candidate, config) is None:
                 return _load(candidate)(config, **kwargs)
         raise ValueError(f"no attention backend can run here; tried {list(_AUTO_ORDER)}")

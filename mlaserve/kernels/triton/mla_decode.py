@@ -1,0 +1,464 @@
+"""Paged MLA decode in Triton: split-KV attention over the latent cache, bf16/fp16 or FP8 KV.
+
+The absorbed form is MQA with one shared latent head (DESIGN.md): every query row
+(head x new token) of a request attends over the same cached rows [c_kv | k_pe], and V is
+the c_kv part. One program owns BLOCK_H query rows of one request — heads and new tokens
+packed together as the M dimension of the dots (64 rows map to one Hopper wgmma) — and one
+KV split of that request. It streams BLOCK_N cached tokens per step, loads each tile once
+and uses it for both QK (nope part as two column halves, plus the rope part) and PV (the
+halves are V), with an online softmax in exp2. A second kernel combines the splits
+through their lse. With `v_split=2` two programs share a query block, each accumulating one
+half of V (both compute the full QK): half the accumulator registers, twice the QK work.
+
+The split count comes from shapes only (`choose_num_splits`), never from cache_seqlens on
+the host; each program derives its token range from its request's length on the device,
+so a call can be captured in a CUDA graph. `plan_mla_decode` does the host work once per
+step (config, split count, workspace); `mla_decode(..., plan=...)` only launches.
+"""
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mlaserve.kernels import fp8_format
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Kernel knobs (all compile-time except min_split_tokens)."""
+    block_h: int = 64            # query rows (heads x new tokens) per program: 16, 32, 64 (128 with v_split=2)
+    block_n: int = 64            # cached tokens per step
+    v_split: int = 1             # programs per query block, each owning 1/v_split of V: 1 or 2
+    num_warps: int = 8
+    num_stages: int = 2          # software-pipelined KV loads
+    min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
+
+    def __post_init__(self):
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.v_split not in (1, 2):
+            raise ValueError(f"v_split must be 1 or 2, got {self.v_split}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.min_split_tokens < 1:
+            raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
+
+
+# Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind).
+# Rows up to 16/32 are memory-bound (small blocks, 4 warps); 64+ rows are matrix-bound and take
+# 64-row blocks for wgmma. The lead fills these from scripts/tune_mla_decode.py's H200 sweep.
+_ROW_BUCKETS = (16, 32, 64, 128, 256)
+DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
+    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    (32, "bf16"): MLADecodeConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
+    (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    (32, "fp8"): MLADecodeConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
+    (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+}
+
+
+def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
+    """The table's config for `rows` = s_q * h query rows per request."""
+    bucket = next((r for r in _ROW_BUCKETS if rows <= r), _ROW_BUCKETS[-1])
+    return DEFAULT_CONFIGS[(bucket, "fp8" if kv_fp8 else "bf16")]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the CPU interpreter: small, so that tests see splitting happen
+
+
+def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, device: torch.device,
+                      config: MLADecodeConfig) -> int:
+    """KV splits per request, from shapes only (CUDA-graph safe).
+
+    Enough programs to fill the SMs when the batch alone does not, but every split streams
+    at least `config.min_split_tokens` of the block table's capacity, so that pipeline warm-up
+    and the partial outputs the combine reads stay small against the KV. Among the counts
+    that fill the machine about as well as the best one, the smallest wins (wave efficiency,
+    as flash-attention's heuristic).
+    """
+    programs = b * triton.cdiv(s_q * h, config.block_h) * config.v_split
+    sms = _num_sms(device)
+    if programs == 0 or programs >= 0.8 * sms:
+        return 1
+    cap = max(1, min(_MAX_SPLITS, (max_pages * page_size) // config.min_split_tokens))
+
+    def efficiency(n):
+        waves = programs * n / sms
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(n) for n in range(1, cap + 1))
+    return next(n for n in range(1, cap + 1) if efficiency(n) >= 0.85 * best)
+
+
+@dataclass
+class MLADecodePlan:
+    """What one `mla_decode` launch needs besides its inputs; built on the host by `plan_mla_decode`."""
+    config: MLADecodeConfig
+    num_splits: int
+    max_batch: int                       # the batch sizes this plan serves: 0 < b <= max_batch
+    rows: int                            # s_q * h
+    head_dim_v: int
+    partial_out: torch.Tensor | None     # on device, fp32 [max_batch, num_splits, rows, head_dim_v]; None if 1 split
+    partial_lse: torch.Tensor | None     # on device, fp32 [max_batch, num_splits, rows]
+
+
+def workspace_numel(b: int, rows: int, head_dim_v: int, num_splits: int) -> int:
+    """float32 elements of the split workspace (0 with one split)."""
+    return 0 if num_splits == 1 else b * num_splits * rows * (head_dim_v + 1)
+
+
+def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,
+                    device: torch.device | str, num_splits: int | None = None, config: MLADecodeConfig | None = None,
+                    workspace: torch.Tensor | None = None) -> MLADecodePlan:
+    """Host work for a decode step: config, split count and the split workspace.
+
+    `workspace` (fp32, flat, at least `workspace_numel` elements) lets several plans share one
+    static buffer (CUDA graphs); without it the workspace is allocated here.
+    """
+    device = torch.device(device)
+    rows = s_q * h
+    config = config or default_config(rows, kv_fp8)
+    if num_splits is None:
+        num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
+    if not 1 <= num_splits <= 4 * _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {4 * _MAX_SPLITS}], got {num_splits}")
+    partial_out = partial_lse = None
+    need = workspace_numel(b, rows, head_dim_v, num_splits)
+    if need:
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != device:
+            raise ValueError(f"workspace must be float32 on {device} with >= {need} elements, got "
+                             f"{workspace.dtype} on {workspace.device} with {workspace.numel()}")
+        n_out = b * num_splits * rows * head_dim_v
+        partial_out = workspace[:n_out].view(b, num_splits, rows, head_dim_v)
+        partial_lse = workspace[n_out:need].view(b, num_splits, rows)
+    return MLADecodePlan(config, num_splits, b, rows, head_dim_v, partial_out, partial_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _tile_mask(in_seq, offs_c, LIMIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[BLOCK_N, C] load mask: rows in the sequence (if ROWS) and columns below LIMIT (if COLS)."""
+    if ROWS and COLS:
+        return in_seq[:, None] & (offs_c < LIMIT)[None, :]
+    elif ROWS:
+        return in_seq[:, None]
+    else:
+        return (offs_c < LIMIT)[None, :]
+
+
+@triton.jit
+def _load_nope_half(kv_ptr, row_off, in_seq, col0, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HALF: tl.constexpr, HEAD_DIM_V: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr):
+    """c_kv columns col0 .. col0 + HALF of BLOCK_N cached rows -> [BLOCK_N, HALF] in COMPUTE.
+
+    row_off int64 [BLOCK_N]: each row's offset (elements; bytes for FP8). in_seq bool [BLOCK_N]
+    (used when MASKED): rows past the request's length read as 0, never as the cache's contents.
+    FP8: e4m3 bytes times the row's scale of each 128-column tile (a half spans two tiles).
+    """
+    offs_c = tl.arange(0, HALF)
+    # the row mask only on tail tiles; the column mask only when head_dim_v is padded
+    mask = _tile_mask(in_seq, col0 + offs_c, HEAD_DIM_V, MASKED, 2 * HALF > HEAD_DIM_V)
+    ptrs = kv_ptr + row_off[:, None] + (col0 + offs_c)[None, :]
+    if IS_FP8:
+        tl.static_assert(HALF == 2 * 128)
+        scale_ptr = (kv_ptr + row_off + 512).to(tl.pointer_type(tl.float32)) + col0 // 128
+        if MASKED:
+            vals = tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
+            s_lo = tl.load(scale_ptr, mask=in_seq, other=0.0)
+            s_hi = tl.load(scale_ptr + 1, mask=in_seq, other=0.0)
+        else:
+            vals = tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)))
+            s_lo = tl.load(scale_ptr)
+            s_hi = tl.load(scale_ptr + 1)
+        scale = tl.where(offs_c[None, :] < 128, s_lo[:, None], s_hi[:, None])
+        tile = (vals.to(tl.float32) * scale).to(COMPUTE)
+    elif MASKED or 2 * HALF > HEAD_DIM_V:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _load_pe(kv_ptr, row_off, in_seq, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_PE: tl.constexpr,
+             HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr):
+    """k_pe (the DIM_PE columns after c_kv) of BLOCK_N cached rows -> [BLOCK_N, BLOCK_PE] in COMPUTE."""
+    offs_c = tl.arange(0, BLOCK_PE)
+    mask = _tile_mask(in_seq, offs_c, DIM_PE, MASKED, BLOCK_PE > DIM_PE)
+    if IS_FP8:
+        ptrs = (kv_ptr + row_off + 528)[:, None].to(tl.pointer_type(tl.bfloat16)) + offs_c[None, :]
+    else:
+        ptrs = kv_ptr + row_off[:, None] + (HEAD_DIM_V + offs_c)[None, :]
+    if MASKED or BLOCK_PE > DIM_PE:
+        return tl.load(ptrs, mask=mask, other=0.0).to(COMPUTE)
+    return tl.load(ptrs).to(COMPUTE)
+
+
+@triton.jit
+def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, bt_row, start_n, seqlen, vis_len,
+                 stride_page, stride_tok, col_a, col_b, qk_scale,
+                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over cached tokens start_n .. start_n + BLOCK_N (the shared inner loop).
+
+    acc_a/acc_b fp32 [BLOCK_H, HALF]; m_i (log2 units)/l_i fp32 [BLOCK_H]; q_a/q_b [BLOCK_H, HALF];
+    q_pe [BLOCK_H, BLOCK_PE]; vis_len int32 [BLOCK_H]: keys each row may see (MASKED tiles only;
+    unmasked tiles lie wholly inside every row's visible range).
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    in_seq = offs_n < seqlen
+    # -- rows of the paged cache --
+    if BLOCK_N <= PAGE_SIZE:
+        # the tile lies in one page (start_n < seqlen, so its block-table entry is a real page): a scalar
+        # base plus constant offsets keeps the copy addresses out of registers
+        page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
+        row_off = page * stride_page + ((start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_tok
+    elif MASKED:
+        # block-table entries past the request's pages may hold anything: never use them
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=in_seq, other=0)
+        row_off = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_tok
+    else:
+        page = tl.load(bt_row + offs_n // PAGE_SIZE)
+        row_off = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_tok
+    kv_a = _load_nope_half(kv_ptr, row_off, in_seq, col_a, COMPUTE, BLOCK_N, HALF, HEAD_DIM_V, IS_FP8, MASKED)
+    kv_b = _load_nope_half(kv_ptr, row_off, in_seq, col_b, COMPUTE, BLOCK_N, HALF, HEAD_DIM_V, IS_FP8, MASKED)
+    # -- compute qk (scaled into log2 units) --
+    s = tl.dot(q_a, tl.trans(kv_a), input_precision=DOT_PRECISION)
+    s = tl.dot(q_b, tl.trans(kv_b), s, input_precision=DOT_PRECISION)
+    if DIM_PE > 0:
+        kv_pe = _load_pe(kv_ptr, row_off, in_seq, COMPUTE, BLOCK_N, BLOCK_PE, HEAD_DIM_V, DIM_PE, IS_FP8, MASKED)
+        s = tl.dot(q_pe, tl.trans(kv_pe), s, input_precision=DOT_PRECISION)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(offs_n[None, :] < vis_len[:, None], s, float("-inf"))
+    # -- online softmax --
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so that it stays 0, not NaN
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_base = m_new
+    alpha = tl.math.exp2(m_i - m_base)
+    p = tl.math.exp2(s - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # -- compute pv --
+    p = p.to(COMPUTE)
+    acc_a = tl.dot(p, kv_a, acc_a * alpha[:, None], input_precision=DOT_PRECISION)
+    if V_SPLIT == 1:
+        acc_b = tl.dot(p, kv_b, acc_b * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc_a, acc_b, m_new, l_i
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_splits, H, S_Q, ROWS,
+    stride_qb, stride_qs, stride_qh, stride_page, stride_tok, stride_btb,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+    stride_pob, stride_pos, stride_por, stride_plb, stride_pls,
+    CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
+    IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Grid (row blocks * V_SPLIT, b, num_splits). Writes out/lse directly with one split, else partials."""
+    pid_hv = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    pid_h = pid_hv // V_SPLIT
+    v_part = pid_hv % V_SPLIT
+    # this program's V half is loaded as "a"; with V_SPLIT == 1 the program owns both halves
+    col_a = v_part * HALF
+    col_b = (1 - v_part) * HALF
+
+    offs_r = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)     # query rows: new token j = r // H, head = r % H
+    row_ok = offs_r < ROWS
+    tok = offs_r // H
+    head = offs_r % H
+    seqlen = tl.load(seqlens_ptr + pid_b)
+    if CAUSAL:
+        vis_len = seqlen - S_Q + 1 + tok                  # new token j sees positions 0 .. seqlen - S_Q + j
+        min_vis = tl.maximum(seqlen - S_Q + 1, 0)
+    else:
+        vis_len = tl.zeros([BLOCK_H], dtype=tl.int32) + seqlen
+        min_vis = seqlen
+
+    # -- load q: [BLOCK_H, HALF] x 2 and [BLOCK_H, BLOCK_PE] --
+    q_row = q_ptr + pid_b.to(tl.int64) * stride_qb + tok * stride_qs + head * stride_qh
+    offs_c = tl.arange(0, HALF)
+    q_a = tl.load(q_row[:, None] + (col_a + offs_c)[None, :],
+                  mask=row_ok[:, None] & ((col_a + offs_c) < HEAD_DIM_V)[None, :], other=0.0)
+    q_b = tl.load(q_row[:, None] + (col_b + offs_c)[None, :],
+                  mask=row_ok[:, None] & ((col_b + offs_c) < HEAD_DIM_V)[None, :], other=0.0)
+    offs_pe = tl.arange(0, BLOCK_PE)
+    q_pe = tl.load(q_row[:, None] + (HEAD_DIM_V + offs_pe)[None, :],
+                   mask=row_ok[:, None] & (offs_pe < DIM_PE)[None, :], other=0.0)
+
+    # -- this split's tokens: the request's length cut into num_splits runs of whole tiles --
+    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seqlen)
+    full_end = tl.maximum(tl.minimum(end, (min_vis // BLOCK_N) * BLOCK_N), start)  # tiles every row sees whole
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    bt_row = bt_ptr + pid_b.to(tl.int64) * stride_btb
+    for start_n in tl.range(start, full_end, BLOCK_N, num_stages=NUM_STAGES):
+        acc_a, acc_b, m_i, l_i = _attend_tile(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, bt_row, start_n, seqlen, vis_len,
+            stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
+            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, False)
+    for start_n in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
+        acc_a, acc_b, m_i, l_i = _attend_tile(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, bt_row, start_n, seqlen, vis_len,
+            stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
+            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, True)
+
+    # -- epilogue: normalize; rows that saw no key get out = 0, lse = -inf --
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    out_a = acc_a * inv_l[:, None]
+    out_b = acc_b * inv_l[:, None]
+    mask_a = row_ok[:, None] & ((col_a + offs_c) < HEAD_DIM_V)[None, :]
+    mask_b = row_ok[:, None] & ((col_b + offs_c) < HEAD_DIM_V)[None, :]
+    if IS_SPLIT:
+        po_row = part_out_ptr + pid_b.to(tl.int64) * stride_pob + pid_s * stride_pos + offs_r * stride_por
+        tl.store(po_row[:, None] + (col_a + offs_c)[None, :], out_a, mask=mask_a)
+        if V_SPLIT == 1:
+            tl.store(po_row[:, None] + (col_b + offs_c)[None, :], out_b, mask=mask_b)
+        tl.store(part_lse_ptr + pid_b * stride_plb + pid_s * stride_pls + offs_r, lse, mask=row_ok & (v_part == 0))
+    else:
+        o_row = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
+        tl.store(o_row[:, None] + (col_a + offs_c)[None, :], out_a.to(out_ptr.dtype.element_ty), mask=mask_a)
+        if V_SPLIT == 1:
+            tl.store(o_row[:, None] + (col_b + offs_c)[None, :], out_b.to(out_ptr.dtype.element_ty), mask=mask_b)
+        tl.store(lse_ptr + pid_b * stride_lb + tok * stride_ls + head, lse, mask=row_ok & (v_part == 0))
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, H,
+    stride_pob, stride_pos, stride_por, stride_plb, stride_pls,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls, ROWS,
+    HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Grid (b * ROWS, cdiv(HEAD_DIM_V, BLOCK_C)): out = sum_s exp(lse_s - lse) * out_s over the splits."""
+    pid_row = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_b = pid_row // ROWS
+    r = pid_row % ROWS
+    lse_base = part_lse_ptr + pid_b * stride_plb + r
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(lse_base + offs_s * stride_pls, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_s - m), 0)
+    empty = total == 0.0
+    inv_total = 1.0 / tl.where(empty, 1.0, total)
+
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    po_base = part_out_ptr + pid_b.to(tl.int64) * stride_pob + r * stride_por
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        offs = s0 + tl.arange(0, SPLIT_CHUNK)
+        s_ok = offs < num_splits
+        w = tl.exp(tl.load(lse_base + offs * stride_pls, mask=s_ok, other=float("-inf")) - m) * inv_total
+        o = tl.load(po_base + offs[:, None] * stride_pos + offs_c[None, :],
+                    mask=s_ok[:, None] & (offs_c < HEAD_DIM_V)[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    tok = r // H
+    head = r % H
+    o_row = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
+    tl.store(o_row + offs_c, acc.to(out_ptr.dtype.element_ty), mask=offs_c < HEAD_DIM_V)
+    if pid_c == 0:
+        lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, total)))
+        tl.store(lse_ptr + pid_b * stride_lb + tok * stride_ls + head, lse)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=True, head_dim_v=512,
+               num_splits: int | None = None, config: MLADecodeConfig | None = None,
+               plan: MLADecodePlan | None = None):
+    """Absorbed MLA over a paged latent cache (semantics of mlaserve.kernels.reference.mla_decode).
+
+    q [b, s_q, h, d_qk] bf16/fp16/fp32; kv_cache [pages, page_size, d_qk] in q's dtype or uint8
+    [pages, page_size, 656] (FP8); block_table int32 [b, max_pages]; cache_seqlens int32 [b].
+    Returns out [b, s_q, h, head_dim_v] in q's dtype and lse float32 [b, s_q, h] (natural log).
+    Without `plan`, one is made here (`num_splits`/`config` override its choices).
+    """
+    b, s_q, h, d_qk = q.shape
+    kv_fp8 = kv_cache.dtype == torch.uint8
+    page_size = kv_cache.shape[1]
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError("Triton's CPU interpreter computes tl.dot on bfloat16 wrongly (triton#11584): "
+                         "use fp16/fp32 on the CPU, or backend='torch'")
+    if plan is None:
+        plan = plan_mla_decode(b, s_q, h, head_dim_v, block_table.shape[1], page_size, kv_fp8, q.device,
+                               num_splits=num_splits, config=config)
+    elif b > plan.max_batch or plan.rows != s_q * h or plan.head_dim_v != head_dim_v:
+        raise ValueError(f"plan for <= {plan.max_batch} requests x {plan.rows} rows, head_dim_v {plan.head_dim_v} "
+                         f"does not fit q {tuple(q.shape)} with head_dim_v {head_dim_v}")
+    cfg = plan.config
+    out = torch.empty(b, s_q, h, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+    if b == 0:
+        return out, lse
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
+    block_v = max(32, triton.next_power_of_2(head_dim_v))
+    dim_pe = (fp8_format.ROPE_DIM if kv_fp8 else d_qk - head_dim_v)
+    if kv_fp8 and head_dim_v != fp8_format.KV_LORA_RANK:
+        raise ValueError(f"FP8 KV needs head_dim_v {fp8_format.KV_LORA_RANK}, got {head_dim_v}")
+    split = plan.num_splits > 1
+    po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)  # unused pointers when not split
+    grid = (triton.cdiv(s_q * h, cfg.block_h) * cfg.v_split, b, plan.num_splits)
+    _mla_decode_kernel[grid](
+        q, kv_cache, block_table, cache_seqlens, out, lse, po, pl,
+        softmax_scale * _LOG2E, plan.num_splits, h, s_q, s_q * h,
+        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        CAUSAL=causal, COMPUTE=_TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, HALF=block_v // 2,
+        BLOCK_PE=max(16, triton.next_power_of_2(dim_pe)) if dim_pe else 16, HEAD_DIM_V=head_dim_v, DIM_PE=dim_pe,
+        V_SPLIT=cfg.v_split, IS_FP8=kv_fp8, IS_SPLIT=split, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        block_c = min(128, block_v)
+        _combine_kernel[(b * s_q * h, triton.cdiv(head_dim_v, block_c))](
+            po, pl, out, lse, plan.num_splits, h,
+            po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), s_q * h,
+            HEAD_DIM_V=head_dim_v, BLOCK_S=triton.next_power_of_2(plan.num_splits), SPLIT_CHUNK=8,
+            BLOCK_C=block_c, num_warps=4,
+        )
+    return out, lse

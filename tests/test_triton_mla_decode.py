@@ -1,0 +1,272 @@
+"""The Triton paged MLA decode kernel and the `triton` attention backend, through Triton's CPU interpreter.
+
+Every kernel result is compared with mlaserve.kernels.reference.mla_decode on the same inputs. Cache
+slots no request owns hold NaN and block-table entries past a request's pages hold a poison page id,
+so that a kernel reading anything it should not shows up as NaN or an out-of-range error.
+fp16/fp32 only: the interpreter computes tl.dot on bf16 wrongly (KERNEL-NOTES.md).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from mlaserve import ops
+from mlaserve.attention import registry
+from mlaserve.attention.base import BackendConfig
+from mlaserve.attention.batch import BatchLayout, ForwardMode
+from mlaserve.attention.torch_backend import TorchBackend, _ragged_mha
+from mlaserve.kernels import fp8_format, reference
+from mlaserve.kernels.triton import mla_decode as _  # noqa: F401  (the package resolves the op lazily)
+from mlaserve.kernels.triton.mla_decode import (MLADecodeConfig, choose_num_splits, mla_decode,
+                                                plan_mla_decode, workspace_numel)
+
+POISON_PAGE = 1 << 20
+TOL = {torch.float16: dict(atol=3e-3, rtol=1e-2), torch.float32: dict(atol=2e-5, rtol=1e-4)}
+
+
+def make_paged(lens, page_size, d, dtype, gen, fp8=False, spare_pages=3):
+    """A shuffled paged cache holding len(lens) requests; everything no request owns is NaN.
+
+    Returns kv [pages, page_size, d] (or uint8 [.., 656]), block_table int32 [b, max_pages] with
+    POISON_PAGE past each request's pages, cache_seqlens int32 [b].
+    """
+    b = len(lens)
+    max_pages = max(1, max(math.ceil(n / page_size) for n in lens)) + 1   # a spare column, always poison
+    num_pages = b * max_pages + spare_pages
+    kv = torch.randn(num_pages, page_size, d, generator=gen)
+    owned = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    table = torch.full((b, max_pages), POISON_PAGE, dtype=torch.int32)
+    pages = torch.randperm(num_pages, generator=gen)
+    for i, n in enumerate(lens):
+        used = pages[i * max_pages: i * max_pages + math.ceil(n / page_size)]
+        table[i, :len(used)] = used.int()
+        for t in range(n):
+            owned[used[t // page_size], t % page_size] = True
+    if fp8:
+        kv = fp8_format.quantize(kv)
+        kv[~owned] = 0xFF            # NaN in e4m3, in the fp32 scales and in bf16 k_pe alike
+    else:
+        kv = kv.to(dtype)
+        kv[~owned] = float("nan")
+    return kv, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def check_against_reference(q, kv, table, seqlens, scale, head_dim_v, causal=True, lse_atol=None, **kwargs):
+    out, lse = mla_decode(q, kv, table, seqlens, scale, causal=causal, head_dim_v=head_dim_v, **kwargs)
+    kv_ref = kv if kv.dtype == torch.uint8 else kv.double()
+    ref_out, ref_lse = reference.mla_decode(q.double(), kv_ref, table, seqlens, scale, causal=causal,
+                                            head_dim_v=head_dim_v)
+    assert out.dtype == q.dtype and out.shape == ref_out.shape and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), "rows with no visible key must have lse = -inf, only they"
+    assert (out[empty] == 0).all(), "rows with no visible key must have out = 0"
+    torch.testing.assert_close(out.double(), ref_out.double(), **TOL[q.dtype])
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].double(), atol=lse_atol or 1e-4, rtol=0)
+    return out, lse
+
+
+CASES = [
+    # b, s_q, h, page_size, lens, num_splits, dtype
+    (2, 1, 1, 16, [37, 5], 1, torch.float16),
+    (2, 1, 3, 32, [70, 33], 3, torch.float16),
+    (3, 2, 5, 64, [0, 130, 2], 2, torch.float16),      # an empty request; one shorter than s_q needs
+    (2, 3, 3, 16, [1, 95], 4, torch.float32),          # request 0: fewer keys than new tokens
+    (1, 4, 5, 32, [200], 5, torch.float16),
+    (4, 1, 5, 16, [3, 17, 64, 1], 8, torch.float32),   # more splits than a short request has tiles
+]
+
+
+@pytest.mark.parametrize("b,s_q,h,page_size,lens,num_splits,dtype", CASES)
+def test_matches_reference(b, s_q, h, page_size, lens, num_splits, dtype):
+    gen = torch.Generator().manual_seed(hash((b, s_q, h, page_size, num_splits)) % (1 << 31))
+    d_qk, d_v = 80, 64
+    kv, table, seqlens = make_paged(lens, page_size, d_qk, dtype, gen)
+    q = torch.randn(b, s_q, h, d_qk, generator=gen).to(dtype)
+    check_against_reference(q, kv, table, seqlens, d_qk ** -0.5, d_v, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("config", [
+    MLADecodeConfig(block_h=16, block_n=16, num_warps=4),           # several tiles per page
+    MLADecodeConfig(block_h=16, block_n=32, v_split=2, num_warps=4),  # two programs share a query block
+    MLADecodeConfig(block_h=32, block_n=64, num_warps=4),           # a tile spans several pages
+])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_configs(config, num_splits):
+    gen = torch.Generator().manual_seed(7 + num_splits)
+    kv, table, seqlens = make_paged([150, 41], 32, 80, torch.float16, gen)
+    q = torch.randn(2, 2, 3, 80, generator=gen).to(torch.float16)
+    check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=num_splits, config=config)
+
+
+@pytest.mark.parametrize("d_qk,d_v", [(64, 64), (72, 48)])
+def test_head_dims_without_rope_or_power_of_two(d_qk, d_v):
+    gen = torch.Generator().manual_seed(d_qk + d_v)
+    kv, table, seqlens = make_paged([50, 9], 16, d_qk, torch.float32, gen)
+    q = torch.randn(2, 2, 3, d_qk, generator=gen)
+    check_against_reference(q, kv, table, seqlens, 0.2, d_v, num_splits=2)
+
+
+def test_not_causal():
+    gen = torch.Generator().manual_seed(11)
+    kv, table, seqlens = make_paged([40, 3], 16, 80, torch.float16, gen)
+    q = torch.randn(2, 3, 2, 80, generator=gen).to(torch.float16)
+    check_against_reference(q, kv, table, seqlens, 0.15, 64, causal=False, num_splits=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_deepseek_dims(num_splits):
+    gen = torch.Generator().manual_seed(576 + num_splits)
+    kv, table, seqlens = make_paged([70, 0], 64, 576, torch.float16, gen)
+    q = (0.5 * torch.randn(2, 2, 3, 576, generator=gen)).to(torch.float16)
+    check_against_reference(q, kv, table, seqlens, 576 ** -0.5, 512, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits,page_size,dtype", [(1, 64, torch.float16), (3, 16, torch.float32)])
+def test_fp8_kv(num_splits, page_size, dtype):
+    gen = torch.Generator().manual_seed(656 + num_splits)
+    kv, table, seqlens = make_paged([90, 5], page_size, 576, dtype, gen, fp8=True)
+    q = torch.randn(2, 2, 3, 576, generator=gen).to(dtype)
+    # the kernel rounds dequantized rows to q's dtype before its dots; the reference keeps float32
+    check_against_reference(q, kv, table, seqlens, 576 ** -0.5, 512, num_splits=num_splits, lse_atol=2e-3)
+
+
+def test_through_ops_and_default_plan():
+    gen = torch.Generator().manual_seed(3)
+    kv, table, seqlens = make_paged([100, 60, 7], 32, 80, torch.float16, gen)
+    q = torch.randn(3, 1, 4, 80, generator=gen).to(torch.float16)
+    for options in ({}, {"num_splits": 3}):
+        out, lse = ops.mla_decode(q, kv, table, seqlens, 0.1, head_dim_v=64, backend="triton", **options)
+        ref_out, ref_lse = reference.mla_decode(q, kv.double(), table, seqlens, 0.1, head_dim_v=64)
+        torch.testing.assert_close(out.double(), ref_out.double(), **TOL[torch.float16])
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+
+
+def test_bf16_is_refused_by_the_interpreter():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("only the CPU interpreter refuses bf16")
+    gen = torch.Generator().manual_seed(5)
+    kv, table, seqlens = make_paged([10], 16, 80, torch.bfloat16, gen)
+    with pytest.raises(ValueError, match="bfloat16"):
+        mla_decode(torch.zeros(1, 1, 1, 80, dtype=torch.bfloat16), kv, table, seqlens, 0.1, head_dim_v=64)
+
+
+# -- planning --
+
+def test_num_splits_from_shapes_only():
+    cpu = torch.device("cpu")   # the interpreter pretends to have 8 SMs
+    cfg = MLADecodeConfig(block_h=16, min_split_tokens=256)
+    assert choose_num_splits(64, 1, 16, 512, 64, cpu, cfg) == 1                 # the batch fills the SMs
+    many = choose_num_splits(1, 1, 16, 512, 64, cpu, cfg)
+    assert 1 < many <= 8 * 2                                                     # fills them by splitting
+    assert choose_num_splits(1, 1, 16, 2, 64, cpu, cfg) == 1                     # 128 tokens: nothing to split
+    assert choose_num_splits(1, 1, 16, 8, 64, cpu, cfg) <= 2                     # 512 tokens: 2 splits at most
+    assert choose_num_splits(1, 1, 16, 512, 64, cpu, cfg) == many                # deterministic
+
+
+def test_plan_shares_a_workspace_and_checks_it():
+    need = workspace_numel(4, 2 * 3, 64, 3)
+    buf = torch.empty(need + 5)
+    plan = plan_mla_decode(4, 2, 3, 64, 10, 16, False, "cpu", num_splits=3, workspace=buf)
+    assert plan.partial_out.data_ptr() == buf.data_ptr() and plan.partial_out.shape == (4, 3, 6, 64)
+    assert plan.partial_lse.shape == (4, 3, 6)
+    with pytest.raises(ValueError, match="workspace"):
+        plan_mla_decode(4, 2, 3, 64, 10, 16, False, "cpu", num_splits=3, workspace=torch.empty(need - 1))
+    with pytest.raises(ValueError, match="num_splits"):
+        plan_mla_decode(4, 2, 3, 64, 10, 16, False, "cpu", num_splits=0)
+    with pytest.raises(ValueError, match="block_n"):
+        MLADecodeConfig(block_n=48)
+    # a plan serves any batch up to its own, with the same rows
+    gen = torch.Generator().manual_seed(9)
+    kv, table, seqlens = make_paged([33, 12], 16, 80, torch.float16, gen)
+    q = torch.randn(2, 2, 3, 80, generator=gen).to(torch.float16)
+    check_against_reference(q, kv, table, seqlens, 0.1, 64, plan=plan)
+    with pytest.raises(ValueError, match="plan"):
+        mla_decode(q[:, :1], kv, table, seqlens, 0.1, head_dim_v=64, plan=plan)
+
+
+# -- the attention backend --
+
+def _config(dtype=torch.float16, kv_cache_dtype="auto", num_heads=3, rank=64, rope=16):
+    return BackendConfig(num_heads=num_heads, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype,
+                         kv_cache_dtype=kv_cache_dtype, device=torch.device("cpu"))
+
+
+def _layout_and_cache(prefix_lens, extend_lens, page_size, d, gen, mode=None):
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    kv, table, _ = make_paged(lens, page_size, d, torch.float16, gen)
+    tables = [[int(p) for p in row if p != POISON_PAGE] for row in table]
+    layout = BatchLayout.build(prefix_lens, extend_lens, tables, page_size, "cpu", mode=mode)
+    return layout, kv
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([40, 0, 17], [1, 1, 1]),   # DECODE
+                                                     ([5, 30], [3, 3]),          # uniform short EXTEND
+                                                     ([0, 21], [6, 2])])         # ragged EXTEND
+def test_backend_mla_matches_torch_backend(prefix_lens, extend_lens):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU backend test runs through the interpreter")
+    gen = torch.Generator().manual_seed(sum(prefix_lens) + len(extend_lens))
+    config = _config()
+    layout, kv = _layout_and_cache(prefix_lens, extend_lens, 16, 80, gen)
+    backend = registry.create("triton", config)
+    meta = backend.plan(layout)
+    q = torch.randn(layout.num_tokens, 3, 80, generator=gen).to(torch.float16)
+    out = backend.mla(q, kv, layout, meta, 0.12, 64)
+    torch_backend = TorchBackend(config, extend_form="absorbed")
+    ref = torch_backend.mla(q.float(), kv.float(), layout, torch_backend.plan(layout), 0.12, 64)
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.float16])
+    assert meta.s_q == (3 if extend_lens == [3, 3] else 1)
+
+
+def test_backend_mha_and_extend_choice():
+    gen = torch.Generator().manual_seed(21)
+    layout, _ = _layout_and_cache([0, 9], [5, 4], 16, 80, gen)
+    backend = registry.create("triton", _config(dtype=torch.float32))
+    n_ctx = sum(layout.seq_lens)
+    q = torch.randn(layout.num_tokens, 3, 24, generator=gen)
+    k = torch.randn(n_ctx, 3, 24, generator=gen)
+    v = torch.randn(n_ctx, 3, 16, generator=gen)
+    torch.testing.assert_close(backend.mha(q, k, v, layout, None, 0.3), _ragged_mha(q, k, v, layout, 0.3),
+                               atol=1e-5, rtol=1e-5)
+    assert not backend.extend_uses_mha(layout)     # 4.5 new tokens per request: the absorbed kernel
+    long_layout, _ = _layout_and_cache([0], [300], 64, 80, gen)
+    assert backend.extend_uses_mha(long_layout)
+
+
+def test_backend_availability():
+    assert registry.unavailable_reason("triton", _config()) is None
+    assert "bfloat16" in registry.unavailable_reason("triton", _config(dtype=torch.bfloat16))
+    assert "kv_lora_rank=512" in registry.unavailable_reason("triton", _config(kv_cache_dtype="fp8_e4m3"))
+    assert registry.unavailable_reason("triton", _config(kv_cache_dtype="fp8_e4m3", rank=512, rope=64)) is None
+    # on the CPU, "auto" takes the reference: the interpreter is for tests
+    assert registry.create("auto", _config()).name == "torch"
+
+
+def test_graph_hooks_write_static_buffers():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU backend test runs through the interpreter")
+    gen = torch.Generator().manual_seed(31)
+    backend = registry.create("triton", _config())
+    with pytest.raises(ValueError, match="init_cuda_graph"):
+        backend.plan_for_capture(_layout_and_cache([3], [1], 16, 80, gen)[0])
+    backend.init_cuda_graph(max_batch_size=4, max_pages=8)
+    layout, kv = _layout_and_cache([20, 50], [1, 1], 16, 80, gen)
+    meta = backend.plan_for_capture(layout)
+    q = torch.randn(2, 3, 80, generator=gen).to(torch.float16)
+    captured = backend.mla(q, kv, layout, meta, 0.1, 64)
+    # a later step of the same batch size: new tables and lengths land in the same buffers
+    layout2, kv2 = _layout_and_cache([70, 4], [1, 1], 16, 80, gen)
+    meta2 = backend.plan_for_replay(layout2)
+    assert meta2 is meta and meta2.block_table.data_ptr() == meta.block_table.data_ptr()
+    out = backend.mla(q, kv2, layout2, meta2, 0.1, 64)
+    ref = reference.mla_decode(q.unsqueeze(1), kv2.double(), layout2.block_table, layout2.cache_seqlens, 0.1,
+                               head_dim_v=64)[0].squeeze(1)
+    torch.testing.assert_close(out.double(), ref.double(), **TOL[torch.float16])
+    assert not torch.equal(out, captured)
+    with pytest.raises(ValueError, match="no CUDA graph"):
+        backend.plan_for_replay(_layout_and_cache([1, 2, 3], [1, 1, 1], 16, 80, gen)[0])
+    with pytest.raises(ValueError, match="DECODE"):
+        backend.plan_for_capture(_layout_and_cache([1], [3], 16, 80, gen, mode=ForwardMode.EXTEND)[0])
