@@ -78,9 +78,10 @@ def _check_topk(result, q, weights, k_cache, block_table, seqlens, topk):
     ([PAGE, 3 * PAGE + 5, 0], 2, 24),                     # fewer visible than topk; an empty request
     ([4 * PAGE], 1, 9),
 ])
-def test_topk_matches_float64(seqlens, s_q, topk):
+@pytest.mark.parametrize("select", ["torch", "triton"])
+def test_topk_matches_float64(seqlens, s_q, topk, select):
     case = _make_case(seqlens, s_q, n_heads=4, d=32, max_pages=5, seed=sum(seqlens) + s_q)
-    result = ops.indexer_topk(*case, topk, backend="triton")
+    result = ops.indexer_topk(*case, topk, backend="triton", select=select)
     _check_topk(result, *case, topk)
 
 
@@ -122,10 +123,37 @@ def test_score_chunks_do_not_change_the_result():
     _check_topk(whole, *case, 12)
 
 
-def test_topk_beyond_block_table_capacity_pads():
+@pytest.mark.parametrize("select", ["torch", "triton"])
+def test_topk_beyond_block_table_capacity_pads(select):
     case = _make_case([2 * PAGE, PAGE + 3], 2, n_heads=4, d=32, max_pages=2, seed=9)
-    result = triton_indexer.indexer_topk(*case, 3 * PAGE)
+    result = triton_indexer.indexer_topk(*case, 3 * PAGE, select=select)
     _check_topk(result, *case, 3 * PAGE)
+
+
+def test_radix_select_with_ties_and_empty_rows():
+    """Ties at the cut take exactly as many as needed; -inf picks become -1; chunks smaller than a row."""
+    g = torch.Generator().manual_seed(4)
+    b, n_tok, positions, topk = 2, 3, 80, 12
+    scores = torch.randn(b, n_tok, positions, generator=g)
+    scores[0, 0, 5:] = float("-inf")                 # 5 visible keys
+    scores[0, 1] = float("-inf")                     # nothing visible
+    scores[1, 0, :20] = 3.0                          # 20 equal scores, 12 of them win
+    scores[1, 1, ::2] = scores[1, 1, 1::2]           # every score twice
+    block_table = torch.randperm(40, generator=g)[:b * 5].view(b, 5).to(torch.int32)
+    got = triton_indexer.radix_select_slots(scores, block_table, topk, block=32)
+    page = positions // 5
+    for i in range(b):
+        slot_of = block_table[i, torch.arange(positions) // page] * page + torch.arange(positions) % page
+        for j in range(n_tok):
+            row = scores[i, j]
+            k = min(topk, int(torch.isfinite(row).sum()))
+            picked = got[i, j][got[i, j] >= 0]
+            assert picked.numel() == k and int((got[i, j] == -1).sum()) == topk - k
+            assert len(set(picked.tolist())) == k
+            pos = torch.tensor([int(torch.nonzero(slot_of == s)[0]) for s in picked.tolist()], dtype=torch.long)
+            if k:
+                # the picked scores are exactly the k largest, as a multiset
+                assert torch.equal(row[pos].sort().values, row.topk(k).values.sort().values)
 
 
 def test_bad_config_is_refused():

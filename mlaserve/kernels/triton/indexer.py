@@ -11,7 +11,9 @@ Semantics are those of `mlaserve.kernels.reference.indexer_topk`. Two phases:
    see the key. D_I^-0.5 is folded into the weights (ReLU commutes with a positive scale).
    In decode (s_q 1-2: one token block) every key is read exactly once; keys no token of the
    block can see are never read.
-2. top-k over the scores (torch.topk), positions mapped to slot ids through the block table.
+2. top-k over the scores, positions mapped to slot ids through the block table: torch.topk,
+   or a Triton radix select (one program per score row: four 8-bit histogram passes find the
+   k-th largest score, a last pass writes the winners) — `select=`, per regime in TUNED_SELECT.
 
 Memory bound: the float32 score matrix of one launch is [requests, tokens, positions]; rows
 are processed in chunks so that it never exceeds `max_score_bytes` (default 1 GiB) — e.g.
@@ -58,6 +60,8 @@ class IndexerConfig:
 
 # Measured best configs on the H200 keyed by ("decode"|"prefill", H_I); filled from scripts/tune_sparse.py.
 TUNED: dict[tuple[str, int], dict] = {}
+# Which top-k selection is faster, keyed the same way ("torch" or "triton"); unmeasured keys use torch.topk.
+TUNED_SELECT: dict[tuple[str, int], str] = {}
 
 # Programs per SM that the grid aims for when it chooses key ranges and token groups.
 _WAVES = 4
@@ -214,7 +218,7 @@ def indexer_scores(q, weights, k_cache, block_table, cache_seqlens, *, token_sta
 
 
 def scores_to_slots(scores, block_table, topk):
-    """Top-k of a score chunk as slot ids.
+    """Top-k of a score chunk as slot ids, through torch.topk.
 
     scores f32 [b, n_tok, positions]; block_table int32 [b, max_pages]
     -> int32 [b, n_tok, topk], -1 for invisible picks and where fewer than topk positions exist.
@@ -231,20 +235,103 @@ def scores_to_slots(scores, block_table, topk):
     return slots
 
 
+@triton.jit
+def _order_key(x):
+    """float32 -> uint32 whose unsigned order is the float order (-inf smallest)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _radix_select_kernel(scores_ptr, bt_ptr, out_ptr, POSITIONS, K, TOPK, ROWS_PER_REQ,
+                         stride_sr, stride_btb, stride_or,
+                         PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Top-K positions of one score row by radix select, written as slot ids.
+
+    scores f32 [rows, POSITIONS]; out int32 [rows, TOPK]: K = min(TOPK, POSITIONS) picks in any order
+    (slot id, or -1 for a -inf score), then -1 up to TOPK. Four passes of 8-bit histograms find the
+    K-th largest key T; a last pass writes every key > T and the first ones == T.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    src = scores_ptr + row * stride_sr
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    prefix_mask = tl.zeros([], dtype=tl.uint32)
+    k_left = K
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], dtype=tl.int32)
+        for c in tl.range(0, POSITIONS, BLOCK, num_stages=NUM_STAGES):
+            in_row = c + offs < POSITIONS
+            key = _order_key(tl.load(src + c + offs, mask=in_row, other=float("-inf")))
+            match = in_row & ((key & prefix_mask) == prefix)
+            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
+        at_or_above = tl.cumsum(hist, 0, reverse=True)                      # keys with digit >= d
+        digit = tl.max(tl.where(at_or_above >= k_left, bins, 0), 0)
+        k_left -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+        prefix = prefix | (digit.to(tl.uint32) << shift)
+        prefix_mask = prefix_mask | (tl.full([], 0xFF, tl.uint32) << shift)
+
+    # -- write keys > T, and the first k_left keys == T --
+    dst = out_ptr + row * stride_or
+    bt_row = bt_ptr + (row // ROWS_PER_REQ) * stride_btb
+    n_out = 0
+    n_tied = 0
+    for c in tl.range(0, POSITIONS, BLOCK, num_stages=NUM_STAGES):
+        pos = c + offs
+        in_row = pos < POSITIONS
+        x = tl.load(src + pos, mask=in_row, other=float("-inf"))
+        key = _order_key(x)
+        tied = in_row & (key == prefix)
+        tie_rank = n_tied + tl.cumsum(tied.to(tl.int32), 0) - 1
+        take = (in_row & (key > prefix)) | (tied & (tie_rank < k_left))
+        out_pos = n_out + tl.cumsum(take.to(tl.int32), 0) - 1
+        page = tl.load(bt_row + pos // PAGE_SIZE, mask=take, other=0)
+        slot = tl.where(x == float("-inf"), -1, page * PAGE_SIZE + pos % PAGE_SIZE)
+        tl.store(dst + out_pos, slot, mask=take)
+        n_out += tl.sum(take.to(tl.int32), 0)
+        n_tied += tl.sum(tied.to(tl.int32), 0)
+    for c in range(K, TOPK, BLOCK):
+        tl.store(dst + c + offs, tl.full([BLOCK], -1, tl.int32), mask=c + offs < TOPK)
+
+
+def radix_select_slots(scores, block_table, topk, block=4096, num_warps=16, num_stages=2):
+    """Same contract as `scores_to_slots`, through one Triton radix-select program per score row."""
+    b, n_tok, positions = scores.shape
+    out = torch.empty(b, n_tok, topk, dtype=torch.int32, device=scores.device)
+    if scores.stride(-1) != 1 or scores.stride(0) != n_tok * scores.stride(1):
+        scores = scores.contiguous()
+    _radix_select_kernel[(b * n_tok,)](
+        scores, block_table, out, positions, min(topk, positions), topk, n_tok,
+        scores.stride(1), block_table.stride(0), topk,
+        PAGE_SIZE=positions // block_table.shape[1], BLOCK=block, NUM_STAGES=num_stages, num_warps=num_warps,
+    )
+    return out
+
+
+_SELECTS = {"torch": scores_to_slots, "triton": radix_select_slots}
+
+
 def indexer_topk(q, weights, k_cache, block_table, cache_seqlens, topk, *, max_score_bytes=DEFAULT_MAX_SCORE_BYTES,
-                 **tuning):
+                 select=None, **knobs):
     """Top-k cache slots by indexer score, causal.
 
     Args:
         q: [b, s_q, H_I, D_I]; weights: float32 [b, s_q, H_I]; k_cache: [pages, page_size, D_I];
         block_table: int32 [b, max_pages]; cache_seqlens: int32 [b]; topk: int.
         max_score_bytes: bound on the float32 score matrix alive at once (rows are chunked to fit).
-        tuning: knobs of `indexer_scores`.
+        select: "torch" (torch.topk) or "triton" (radix select); None: TUNED for the regime, else "torch".
+        knobs: IndexerConfig fields for `indexer_scores`.
     Returns:
         int32 [b, s_q, topk] slot ids in any order, -1 where fewer than topk keys are visible.
     """
-    b, s_q = q.shape[:2]
+    b, s_q, n_heads = q.shape[:3]
     positions = block_table.shape[1] * k_cache.shape[1]
+    if select is None:
+        select = TUNED_SELECT.get(("prefill" if s_q > 8 else "decode", n_heads), "torch")
+    if select not in _SELECTS:
+        raise ValueError(f"select must be one of {sorted(_SELECTS)}, got {select!r}")
     result = torch.empty(b, s_q, topk, dtype=torch.int32, device=q.device)
     if b == 0:
         return result
@@ -261,6 +348,6 @@ def indexer_topk(q, weights, k_cache, block_table, cache_seqlens, topk, *, max_s
         for t0 in range(0, s_q, tok_chunk):
             t1 = min(t0 + tok_chunk, s_q)
             scores = indexer_scores(q[r0:r1], weights[r0:r1], k_cache, block_table[r0:r1], cache_seqlens[r0:r1],
-                                    token_start=t0, token_end=t1, **tuning)
-            result[r0:r1, t0:t1] = scores_to_slots(scores, block_table[r0:r1], topk)
+                                    token_start=t0, token_end=t1, **knobs)
+            result[r0:r1, t0:t1] = _SELECTS[select](scores, block_table[r0:r1], topk)
     return result
