@@ -53,14 +53,14 @@ _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
 
 
 def _param_name(loc) -> str | None:
-    """("messages", 0, "role") -> "messages.0.role"; pydantic's union-member tags ("str",
-    "list[int]", "function-after[...]") are not parameters and stop the path."""
+    """("messages", 0, "role") -> "messages.0.role". pydantic's union-member tags ("str",
+    "list[int]", "function-after[...]", a model's class name) are not parameters: skipped."""
     parts = []
     for p in loc:
         if p == "body" and not parts:
             continue
-        if isinstance(p, str) and (p.split("[")[0] in _TYPE_TAGS or "[" in p or "-" in p):
-            break
+        if isinstance(p, str) and (p.split("[")[0] in _TYPE_TAGS or "[" in p or "-" in p or p[:1].isupper()):
+            continue
         parts.append(str(p))
     return ".".join(parts) or None
 
