@@ -14,7 +14,8 @@
 #   BENCH_SUITES      "dense sparse indexer"      one `bench kernels` process each (a kernel fault in one
 #                                                 suite cannot lose the others' rows: they merge in kernels.json)
 #   BENCH_BACKENDS    all                          comma list: torch,triton,flashinfer,sglang
-#   T_PYTEST 150  T_DENSE 200  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds
+#   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
+#                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
 # Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png
 #   and with tune: tune.log tune_mla_decode.json tune_sparse.json
 # The last thing printed is a short table (phases, then the headline kernel shapes).
@@ -101,7 +102,7 @@ if has_phase pytest; then
     extra=()
     if python3 -c "import pytest_timeout" >/dev/null 2>&1; then extra=(--timeout 180); fi
     run_phase pytest "$(limit "${T_PYTEST:-150}")" "$OUT/pytest.log" python3 -m pytest -q -p no:cacheprovider \
-      "${extra[@]}" tests/gpu
+      --durations=10 "${extra[@]}" tests/gpu
     tail -n 15 "$OUT/pytest.log" | tee -a "$LOG"
   else
     say "== pytest: no tests/gpu folder"
@@ -118,7 +119,12 @@ fi
 if has_phase bench; then
   first=1
   for suite in ${BENCH_SUITES:-dense sparse indexer}; do
-    case $suite in dense) t=${T_DENSE:-200} ;; sparse) t=${T_SPARSE:-90} ;; indexer) t=${T_INDEXER:-45} ;; *) t=60 ;; esac
+    # dense (140 shapes, in priority order) takes what the later suites and the final report do not need
+    reserve=$(( ${T_SPARSE:-90} + ${T_INDEXER:-45} + 25 ))
+    case $suite in
+      dense) t=${T_DENSE:-$((BUDGET - SECONDS - 15 - reserve))}; if [ "$t" -gt 400 ]; then t=400; fi ;;
+      sparse) t=${T_SPARSE:-90} ;; indexer) t=${T_INDEXER:-45} ;; *) t=60 ;;
+    esac
     lim=$(limit "$t")
     flags=(--suite "$suite" --backends "${BENCH_BACKENDS:-all}" --out "$OUT" --disable-tqdm --time-budget $((lim - 35)))
     if [ $first = 0 ]; then flags+=(--no-limits); fi   # limits measured once, kept by the merge

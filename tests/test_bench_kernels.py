@@ -50,7 +50,7 @@ def test_report_mode_reprints_the_table(quick_run, capsys):
     assert kernels.main(["--report", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "not measured" in text
-    assert "dense   b2 sq1 sk256 h4 fix" in text and "indexer prefill" in text
+    assert "dense   b2 sq1 sk256 h4 fix " in text and "indexer prefill" in text
 
 
 def test_unknown_backend_is_refused(tmp_path):

@@ -209,7 +209,7 @@ class Bench:
             bar.set_postfix_str(f"{shape.key} {shape.kv} {r['backend']}")
             self._run_backend(r, shape, inputs, subset, ref, ref_s)
             bar.update(1)
-            self.log(_row_line(r), bar)
+            self.log(_row_line(r, self.data.get("limits") or {}), bar)
         del inputs, ref
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -267,13 +267,18 @@ class Bench:
                 report.write(self.data, self.out_dir)
 
 
-def _row_line(r: dict) -> str:
+def _row_line(r: dict, limits: dict) -> str:
     head = f"[{r['suite']}] {r['key']} {r['kv']} {r['backend']}:"
     if r.get("time_us") is None:
         return f"{head} {r['status']} ({r['reason']})"
+    tbps, tflops = r["bytes"] / r["time_us"] / 1e6, r["flops"] / r["time_us"] / 1e6
+    rates = f"{tbps:.2f} TB/s {tflops:.1f} TFLOP/s"
+    if limits.get("copy_tbps") and limits.get("matmul_tflops"):
+        rates += f" ({100 * tbps / limits['copy_tbps']:.0f}% copy, {100 * tflops / limits['matmul_tflops']:.0f}% mm)"
     err = r["check"].get("rel_err", r["check"].get("recall"))
-    extra = "".join(f" {k}={v:.1f}" for k, v in r.get("extra", {}).items() if isinstance(v, float))
-    return f"{head} {r['time_us']:.1f} us {r['status']} (check {err:.3g}){extra} {r.get('reason', '')}"
+    err = "n/a" if err is None else f"{err:.3g}"
+    extra = "".join(f" {k}={v:.1f}" if isinstance(v, float) else f" {k}: {v}" for k, v in r.get("extra", {}).items())
+    return f"{head} {r['time_us']:.1f} us {rates} {r['status']} (check {err}){extra} {r.get('reason', '')}"
 
 
 NOTES = [

@@ -6,6 +6,7 @@ device) are compared with each other and with the latest measured limits.
 """
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -75,11 +76,22 @@ def derive(data: dict) -> dict:
     return data
 
 
+def _finite(value):
+    """The same structure with NaN/inf floats as None: strict JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write(data: dict, out_dir: Path) -> Path:
     """Atomically (a crash mid-write never leaves half a file) write kernels.json under out_dir."""
     path = out_dir / JSON_NAME
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(derive(data), indent=1, sort_keys=False))
+    tmp.write_text(json.dumps(_finite(derive(data)), indent=1, allow_nan=False))
     os.replace(tmp, path)
     return path
 
@@ -111,7 +123,7 @@ def table(data: dict, brief: bool = False, primary_order: tuple[str, ...] = ()) 
     for (suite, key, kv), rows in groups.items():
         timed = [r for r in rows if r["status"] in OK_STATUSES and r.get("time_us")]
         prim = _primary(timed, primary_order)
-        head = f"{suite:<7} {key:<38} {kv:<4}"
+        head = f"{suite:<7} {key:<44} {kv:<4}"
         if prim is None:
             reasons = "; ".join(f"{r['backend']}: {r['status']}" for r in rows)
             lines.append(f"{head} | {reasons[:120]}")
