@@ -31,14 +31,17 @@ class ServerState:
     token_texts: TokenTexts
     created: int
     profiler: object = None        # a running torch profiler (/start_profile), else None
+    reasoning_parser: str | None = None    # mlaserve.server.parsers names (--reasoning-parser)
+    tool_call_parser: str | None = None    # (--tool-call-parser)
 
     @classmethod
-    def create(cls, engine, model_path: str, served_model_name: str, api_key: str | None) -> "ServerState":
+    def create(cls, engine, model_path: str, served_model_name: str, api_key: str | None,
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> "ServerState":
         return cls(engine=engine, tokenizer=engine.tokenizer, model_path=model_path,
                    served_model_name=served_model_name, api_key=api_key,
                    context_length=engine.engine.context_length,
                    metrics=ServerMetrics(engine, served_model_name), token_texts=TokenTexts(engine.tokenizer),
-                   created=int(time.time()))
+                   created=int(time.time()), reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
 
     def check_model(self, name: str | None) -> None:
         """A request may name the served model, or its path, or none; anything else is a 404."""

@@ -34,6 +34,8 @@ class ServerArgs:
     context_length: int | None = None
     disable_radix_cache: bool = False
     random_seed: int = 0
+    reasoning_parser: str | None = None    # split <think>...</think> into reasoning_content (chat)
+    tool_call_parser: str | None = None    # parse tool calls into OpenAI tool_calls (chat with tools)
     log_level: str = "info"
 
     def engine_config(self, model_path: str) -> EngineConfig:
@@ -99,6 +101,12 @@ def make_parser(prog: str = "mlaserve serve") -> argparse.ArgumentParser:
     s.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="most prompt tokens per prefill step; -1 turns chunking off")
     s.add_argument("--random-seed", type=int, default=d.random_seed, help="seed of requests that bring none")
+    from mlaserve.server.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+    o = p.add_argument_group("chat output parsing")
+    o.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=REASONING_PARSER_NAMES,
+                   help="return the <think> block as reasoning_content")
+    o.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=TOOL_CALL_PARSER_NAMES,
+                   help="return tool calls as tool_calls when a request brings tools")
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default=d.host)
     h.add_argument("--port", type=int, default=d.port)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None, prog: str = "mlaserve serve") -> int:
     from mlaserve.server.app import ServerState, build_app
 
     served = args.served_model_name or (BUILTIN_MODEL_NAME if args.model_path is None else args.model_path)
-    state = ServerState.create(engine, model_path, served, args.api_key)
+    state = ServerState.create(engine, model_path, served, args.api_key, args.reasoning_parser, args.tool_call_parser)
     logger.info("serving %s on http://%s:%d (KV pool: %d pages of %d tokens)", served, args.host, args.port,
                 engine.stats()["pages_total"], args.page_size)
     try:

@@ -17,6 +17,7 @@ from mlaserve.server.errors import APIError, from_validation_error
 from mlaserve.server.generation import (SSE_DONE, Choice, ClientDisconnected, Job, build_params, collect,
                                         new_id, run_jobs, sse, sse_error, validate_jobs)
 from mlaserve.server.logprobs import CompletionLogprobs, chat_logprobs_content
+from mlaserve.server.parsers.chat import ChatOutputParser
 from mlaserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -133,6 +134,10 @@ async def chat_completions(request: Request):
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
     prompt = _chat_prompt(state, req)
+    parsers = [ChatOutputParser(state.reasoning_parser, state.tool_call_parser, req.tools, req.tool_choice)
+               for _ in range(req.n)]
+    if parsers[0].needs_special_tokens:
+        req.skip_special_tokens = False
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = new_id("chatcmpl")
     jobs = [Job(f"{rid}-{j}", prompt, _sampling(req, j, req.output_limit, logprobs)) for j in range(req.n)]
@@ -141,7 +146,7 @@ async def chat_completions(request: Request):
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(state, "chat", jobs, [prompt], req.n, include_usage,
-                       _ChatChunks(state, head, req.n, req.logprobs), start)
+                       _ChatChunks(state, head, req.n, req.logprobs, parsers), start)
     try:
         choices = await collect(request, state.engine, jobs)
     except ClientDisconnected:
@@ -153,14 +158,9 @@ async def chat_completions(request: Request):
         if req.logprobs:
             lp = {"content": chat_logprobs_content(state.token_texts, c.token_ids, c.logprobs, c.top_logprobs),
                   "refusal": None}
-        out.append({"index": k, "message": assistant_message(c.full_text), "logprobs": lp,
-                    "finish_reason": c.finish_reason, "matched_stop": c.stop_reason})
+        out.append({"index": k, "message": parsers[k].message(c.full_text), "logprobs": lp,
+                    "finish_reason": parsers[k].finish_reason(c.finish_reason), "matched_stop": c.stop_reason})
     return {**head, "choices": out, "usage": _usage([prompt], choices, req.n)}
-
-
-def assistant_message(text: str) -> dict:
-    """The whole answer as a chat message (where reasoning / tool-call parsing would split it)."""
-    return {"role": "assistant", "content": text}
 
 
 class _CompletionChunks:
@@ -186,11 +186,12 @@ class _CompletionChunks:
 class _ChatChunks:
     """Stream chunks of /v1/chat/completions: a role chunk per choice first, then content deltas."""
 
-    def __init__(self, state: ServerState, head: dict, n: int, logprobs: bool):
+    def __init__(self, state: ServerState, head: dict, n: int, logprobs: bool, parsers: list[ChatOutputParser]):
         self.head = {**head, "object": "chat.completion.chunk"}
         self._state = state
         self._n = n
         self._logprobs = logprobs
+        self._parsers = parsers
 
     def opening(self) -> list[dict]:
         return [{**self.head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
@@ -201,11 +202,16 @@ class _ChatChunks:
         if self._logprobs and out.new_token_ids:
             lp = {"content": chat_logprobs_content(self._state.token_texts, out.new_token_ids, out.new_logprobs,
                                                    out.new_top_logprobs), "refusal": None}
-        if not out.new_text and lp is None and not out.finished:
+        parser = self._parsers[k]
+        if parser.active:
+            delta = parser.delta(out.new_text, out.finished)
+        else:
+            delta = {"content": out.new_text} if out.new_text else {}
+        if not delta and lp is None and not out.finished:
             return None
-        delta = {"content": out.new_text} if out.new_text else {}
         return {**self.head, "choices": [{"index": k, "delta": delta, "logprobs": lp,
-                                          "finish_reason": out.finish_reason if out.finished else None}]}
+                                          "finish_reason": parser.finish_reason(out.finish_reason)
+                                          if out.finished else None}]}
 
 
 def _stream(state: ServerState, route: str, jobs: list[Job], prompts: list[list[int]], n: int,
