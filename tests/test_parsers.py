@@ -188,3 +188,29 @@ def test_reasoning_then_tools_chain():
 def test_tool_parser_errors():
     with pytest.raises(ValueError, match="unknown tool-call parser 'hermes'"):
         make_tool_call_parser("hermes")
+
+
+def test_chat_output_parser_stream_equals_message():
+    from mlaserve.server.parsers.chat import ChatOutputParser
+
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    text = ("<think>\nUser wants weather.\n</think>\n\nChecking." + CALLS_BEGIN
+            + call("get_weather", '{"city": "Oslo"}') + CALLS_END)
+    whole = ChatOutputParser("deepseek-r1", "deepseekv3", tools)
+    msg = whole.message(text)
+    assert msg["content"] == "Checking." and msg["reasoning_content"] == "User wants weather."
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
+    for chunks in splits(text):
+        p = ChatOutputParser("deepseek-r1", "deepseekv3", tools)
+        deltas = [p.delta(c, finished=False) for c in chunks] + [p.delta("", finished=True)]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+        assert "".join(d.get("content", "") for d in deltas) == msg["content"]
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert assemble(calls, counted_ids=False) == [("get_weather", '{"city": "Oslo"}')]
+        assert p.finish_reason("stop") == "tool_calls"
+    # tool_choice "none", or no tools in the request: the markup is left alone.
+    for p in (ChatOutputParser(None, "deepseekv3", tools, tool_choice="none"), ChatOutputParser(None, "deepseekv3", None)):
+        assert not p.active and p.message(text) == {"role": "assistant", "content": text}
+    assert ChatOutputParser("glm45", None, None).message("plain") == {
+        "role": "assistant", "content": "plain", "reasoning_content": None}
