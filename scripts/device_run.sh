@@ -10,7 +10,8 @@
 #
 # Every phase is time-bounded (`timeout`) and independent of the others' success; the whole script keeps
 # inside DEVICE_BUDGET_S (default 560 s, under the 600 s a call may run). Knobs (environment):
-#   PHASES            env,install,pytest,bench (default) — add or use "tune"; MLASERVE_TUNE=1 adds tune
+#   PHASES            env,install,pytest,bench (default); "tune" runs the sweeps; MLASERVE_TUNE=1 means
+#                     PHASES=env,install,tune (a sweep and the benchmark do not both fit in one 600 s call)
 #   BENCH_SUITES      "dense sparse indexer"      one `bench kernels` process each (a kernel fault in one
 #                                                 suite cannot lose the others' rows: they merge in kernels.json)
 #   BENCH_BACKENDS    all                          comma list: torch,triton,flashinfer,sglang
@@ -26,8 +27,9 @@ OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 LOG=$OUT/device.log
 BUDGET=${DEVICE_BUDGET_S:-560}
+# MLASERVE_TUNE=1 is shorthand for PHASES=env,install,tune (the sweeps need the whole call)
+if [ "${MLASERVE_TUNE:-0}" = 1 ] && [ -z "${PHASES:-}" ]; then PHASES=env,install,tune; fi
 PHASES=",${PHASES:-env,install,pytest,bench},"
-if [ "${MLASERVE_TUNE:-0}" = 1 ]; then PHASES="$PHASES,tune,"; fi
 SUMMARY=()
 
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1

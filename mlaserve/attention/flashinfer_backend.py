@@ -31,8 +31,9 @@ def _import_flashinfer_mla():
     """flashinfer.mla, imported on first use (importing it costs seconds and needs CUDA-side packages)."""
     try:
         return importlib.import_module("flashinfer.mla")
-    except ImportError as e:
-        raise ImportError(f"cannot import flashinfer.mla ({e}); pip install flashinfer-python") from e
+    except Exception as e:   # a broken install fails in many ways (missing .so, CUDA mismatch): all mean "cannot use"
+        raise ImportError(f"cannot import flashinfer.mla ({type(e).__name__}: {e}); "
+                          f"pip install flashinfer-python") from e
 
 
 def unavailable_reason(device: torch.device | str, dtype: torch.dtype, kv_cache_dtype: str = "auto",

@@ -154,10 +154,14 @@ class Bench:
     def unavailable(self, name: str, suite: str) -> str | None:
         key = (name, suite)
         if key not in self._reasons:
-            if name in BACKENDS:
-                self._reasons[key] = runners.ops_unavailable_reason(name, OPS[suite], self.device)
-            else:
-                self._reasons[key] = peers.unavailable_reason(name, self.device)
+            try:
+                if name in BACKENDS:
+                    self._reasons[key] = runners.ops_unavailable_reason(name, OPS[suite], self.device)
+                else:
+                    self._reasons[key] = peers.unavailable_reason(name, self.device)
+            except Exception as e:   # e.g. a kernel module that fails to import: its rows say why
+                traceback.print_exc()
+                self._reasons[key] = f"availability check failed: {type(e).__name__}: {str(e)[:300]}"
             self.data["backends"].setdefault(name, {"kind": "mlaserve" if name in BACKENDS else "peer"})
             self.data["backends"][name].setdefault("unavailable", {})[suite] = self._reasons[key]
         return self._reasons[key]
