@@ -60,8 +60,9 @@ class IndexerConfig:
 
 # Measured best configs on the H200 keyed by ("decode"|"prefill", H_I); filled from scripts/tune_sparse.py.
 TUNED: dict[tuple[str, int], dict] = {}
-# Which top-k selection is faster, keyed the same way ("torch" or "triton"); unmeasured keys use torch.topk.
-TUNED_SELECT: dict[tuple[str, int], str] = {}
+# The faster top-k selection, keyed the same way: {"select": "torch"} or {"select": "triton", "block": ...,
+# "num_warps": ...} (knobs of radix_select_slots); unmeasured keys use torch.topk.
+TUNED_SELECT: dict[tuple[str, int], dict] = {}
 
 # Programs per SM that the grid aims for when it chooses key ranges and token groups.
 _WAVES = 4
@@ -321,17 +322,19 @@ def indexer_topk(q, weights, k_cache, block_table, cache_seqlens, topk, *, max_s
         q: [b, s_q, H_I, D_I]; weights: float32 [b, s_q, H_I]; k_cache: [pages, page_size, D_I];
         block_table: int32 [b, max_pages]; cache_seqlens: int32 [b]; topk: int.
         max_score_bytes: bound on the float32 score matrix alive at once (rows are chunked to fit).
-        select: "torch" (torch.topk) or "triton" (radix select); None: TUNED for the regime, else "torch".
+        select: "torch" (torch.topk) or "triton" (radix select); None: TUNED_SELECT for the regime, else "torch".
         knobs: IndexerConfig fields for `indexer_scores`.
     Returns:
         int32 [b, s_q, topk] slot ids in any order, -1 where fewer than topk keys are visible.
     """
     b, s_q, n_heads = q.shape[:3]
     positions = block_table.shape[1] * k_cache.shape[1]
-    if select is None:
-        select = TUNED_SELECT.get(("prefill" if s_q > 8 else "decode", n_heads), "torch")
-    if select not in _SELECTS:
-        raise ValueError(f"select must be one of {sorted(_SELECTS)}, got {select!r}")
+    choice = dict(TUNED_SELECT.get(("prefill" if s_q > 8 else "decode", n_heads), {"select": "torch"}))
+    if select is not None:
+        choice = {"select": select}
+    if choice["select"] not in _SELECTS:
+        raise ValueError(f"select must be one of {sorted(_SELECTS)}, got {choice['select']!r}")
+    select_fn = _SELECTS[choice.pop("select")]
     result = torch.empty(b, s_q, topk, dtype=torch.int32, device=q.device)
     if b == 0:
         return result
@@ -349,5 +352,5 @@ def indexer_topk(q, weights, k_cache, block_table, cache_seqlens, topk, *, max_s
             t1 = min(t0 + tok_chunk, s_q)
             scores = indexer_scores(q[r0:r1], weights[r0:r1], k_cache, block_table[r0:r1], cache_seqlens[r0:r1],
                                     token_start=t0, token_end=t1, **knobs)
-            result[r0:r1, t0:t1] = _SELECTS[select](scores, block_table[r0:r1], topk)
+            result[r0:r1, t0:t1] = select_fn(scores, block_table[r0:r1], topk, **choice)
     return result
