@@ -135,7 +135,11 @@ def test_poisson_arrivals_and_profile(capsys, server, tmp_path):
     assert report_values(cap.out)["Traffic request rate:"] == "40.0"
     starts = json.loads((tmp_path / "r.jsonl").read_text())["start_times"]
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n - 1)
-    assert np.all(np.diff(starts) >= gaps - 2e-3)
+    # Request k is sent no earlier than the sum of the first k gaps after request 0 (less the
+    # event loop's lag in starting request 0, bounded loosely for a loaded CI machine).
+    since_first = np.asarray(starts[1:]) - starts[0]
+    assert np.all(since_first >= np.cumsum(gaps) - 0.05), (since_first, np.cumsum(gaps))
+    assert np.cumsum(gaps)[-1] > 0.1
 
 
 def test_sharegpt_dataset(capsys, server, tokenizer, tmp_path):

@@ -8,7 +8,11 @@ Flags and report follow SGLang's `python -m sglang.bench_serving`:
 Backends: `sglang`/`mlaserve` post to `/generate` (token-id prompts), `vllm`/`openai`/`sglang-oai`
 to `/v1/completions` (text prompts that re-tokenize to the exact length; token ids with
 --tokenize-prompt), `openai-chat` to `/v1/chat/completions` (text; the chat template adds tokens
-the report does not count). Outputs are forced to their length with `ignore_eos`. Requests
+the report does not count). Datasets: `random-ids` draws prompts from the vocabulary's ordinary
+tokens; `random` draws windows of ShareGPT prompt tokens when --dataset-path is given, else acts
+as random-ids (nothing is downloaded); `sharegpt` uses a local ShareGPT JSON's first turns.
+Lengths are uniform in [len * --random-range-ratio, len]. Outputs are forced to their length with
+`ignore_eos`. Requests
 arrive as a Poisson process of `--request-rate` per second (all at once when inf), at most
 `--max-concurrency` in flight. `OPENAI_API_KEY` (or --api-key) is sent as a bearer token.
 
