@@ -155,6 +155,7 @@ async def run_benchmark(args, rows: list[DatasetRow], api_url: str, base_url: st
 
 
 def run_record(args, model, tokenizer_path, rows, outputs, duration, metrics, output_lens, retok_lens) -> dict:
+    t0 = min(o.start_time for o in outputs)
     return {
         "date": datetime.now().isoformat(timespec="seconds"),
         "backend": args.backend, "model": model, "tokenizer": tokenizer_path, "dataset_name": args.dataset_name,
@@ -169,7 +170,7 @@ def run_record(args, model, tokenizer_path, rows, outputs, duration, metrics, ou
         "output_lens": output_lens, "retokenized_output_lens": retok_lens,
         "server_prompt_tokens": [o.server_prompt_tokens for o in outputs],
         "success": [o.success for o in outputs],
-        "start_times": [o.start_time - min(x.start_time for x in outputs) for o in outputs],
+        "start_times": [o.start_time - t0 for o in outputs],
         "ttfts": [o.ttft for o in outputs], "e2e_latencies": [o.latency for o in outputs],
         "itls": [o.itl for o in outputs], "generated_texts": [o.generated_text for o in outputs],
         "errors": [o.error for o in outputs],
