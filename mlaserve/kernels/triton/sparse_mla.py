@@ -18,6 +18,12 @@ through their lse.
 
 FP8 KV (the 656-byte format of `kernels/fp8_format.py`) is dequantized in registers: the e4m3
 c_kv bytes times their per-128-tile scale, k_pe read as bf16; both converted to q's dtype.
+
+What Triton 3.6 makes of it on sm_90a (ptxas -v, checked without a GPU): with num_stages >= 2 the
+row gather becomes cp.async into a double buffer that both wgmma dots read (each row reaches shared
+memory once); num_stages 3 also prefetches the index tile a step earlier. BLOCK_H 64 x BLOCK_N 64,
+8 warps: 255 registers, no spills, ~217 KB shared memory, so one program per SM and the next gather
+overlaps only the P.V dot — which is why BLOCK_N and num_stages are tuned per shape.
 """
 
 from dataclasses import dataclass
@@ -97,6 +103,8 @@ def default_config(tokens: int, h: int, topk: int, kv_fp8: bool, head_dim_v: int
             return cfg
     else:
         block_h = min(64, max(16, triton.next_power_of_2(h)))
+        if kv_fp8 and block_h == 32:
+            block_h = 16   # 32 rows of mma.sync plus the dequantized tile spill registers (ptxas, sm_90a)
         wide = head_dim_v >= 256
         cfg = SparseMLAConfig(block_h=block_h, block_n=64 if wide else 32, num_warps=8 if wide else 4,
                               num_stages=2, num_splits=1)
@@ -200,7 +208,7 @@ def _sparse_mla_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)  # ln 2
     o_ptrs = out_ptr + pid_s * stride_os + pid_t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
     o_mask = mask_h[:, None]
     if BLOCK_DV != DV:
