@@ -68,11 +68,13 @@ def run(capsys, server, *flags):
     return rc, capsys.readouterr()
 
 
-@pytest.mark.parametrize("backend", ["mlaserve", "sglang", "vllm", "openai-chat"])
-def test_counts_are_exact(capsys, server, tmp_path, backend):
+@pytest.mark.parametrize("backend,as_text", [("mlaserve", False), ("sglang", True), ("vllm", False),
+                                             ("openai", True), ("openai-chat", True)])
+def test_counts_are_exact(capsys, server, tmp_path, backend, as_text):
     out_file = tmp_path / "runs.jsonl"
     n, in_len, out_len = 24, 40, 12
-    rc, cap = run(capsys, server, "--backend", backend, "--num-prompts", str(n), "--random-input-len", str(in_len),
+    text_flag = ["--prompt-as-text"] if as_text and backend != "openai-chat" else []
+    rc, cap = run(capsys, server, "--backend", backend, *text_flag, "--num-prompts", str(n), "--random-input-len", str(in_len),
                   "--random-output-len", str(out_len), "--random-range-ratio", "0.5", "--max-concurrency", "5",
                   "--seed", "7", "--output-file", str(out_file))
     assert rc == 0, cap.err
@@ -95,10 +97,9 @@ def test_counts_are_exact(capsys, server, tmp_path, backend):
     assert record["mean_ttft_ms"] > 0 and record["mean_itl_ms"] > 0 and record["p99_e2e_latency_ms"] >= record["mean_ttft_ms"]
     assert [len(itl) for itl in record["itls"]] == [x - 1 for x in asked_out]
     assert float(values["Request throughput (req/s):"]) == pytest.approx(n / record["duration"], rel=0.01)
-    if backend in ("mlaserve", "sglang"):
-        assert all(isinstance(p["input_ids"], list) for p in server.payloads)
-    else:
-        assert all(isinstance(p.get("prompt", p.get("messages")), (str, list)) for p in server.payloads)
+    sent = [p.get("input_ids", p.get("text", p.get("prompt"))) if "messages" not in p else p["messages"][-1]["content"]
+            for p in server.payloads]
+    assert all(isinstance(x, str) if as_text else isinstance(x, list) for x in sent)
     assert all(p.get("ignore_eos", p.get("sampling_params", {}).get("ignore_eos")) is True for p in server.payloads)
 
 

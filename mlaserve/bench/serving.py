@@ -5,10 +5,12 @@ Flags and report follow SGLang's `python -m sglang.bench_serving`:
     mlaserve bench serving --backend mlaserve --port 30000 --dataset-name random \\
         --random-input-len 1024 --random-output-len 256 --num-prompts 200 --max-concurrency 32
 
-Backends: `sglang`/`mlaserve` post to `/generate` (token-id prompts), `vllm`/`openai`/`sglang-oai`
-to `/v1/completions` (text prompts that re-tokenize to the exact length; token ids with
---tokenize-prompt), `openai-chat` to `/v1/chat/completions` (text; the chat template adds tokens
-the report does not count). Datasets: `random-ids` draws prompts from the vocabulary's ordinary
+Backends: `sglang`/`mlaserve` post to `/generate`, `vllm`/`openai`/`sglang-oai` to
+`/v1/completions`, `openai-chat` to `/v1/chat/completions`. Random prompts go as token ids where
+the API takes them (exact lengths, no special tokens added by the server); with --prompt-as-text,
+and always for chat, as text checked to re-tokenize to exactly the asked length (the server may
+still add a BOS token, and chat templates add their own tokens; the report counts the asked
+length, as SGLang's does, and --output-file keeps the server's own counts too). Datasets: `random-ids` draws prompts from the vocabulary's ordinary
 tokens; `random` draws windows of ShareGPT prompt tokens when --dataset-path is given, else acts
 as random-ids (nothing is downloaded); `sharegpt` uses a local ShareGPT JSON's first turns.
 Lengths are uniform in [len * --random-range-ratio, len]. Outputs are forced to their length with
@@ -65,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-output-len", type=int, default=1024)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len * ratio, len]; 1.0 = fixed lengths")
-    p.add_argument("--tokenize-prompt", action="store_true", help="send token ids to /v1/completions too")
+    p.add_argument("--prompt-as-text", action="store_true",
+                   help="send random prompts as text even where the API takes token ids")
+    p.add_argument("--tokenize-prompt", action="store_true",
+                   help="accepted for SGLang compatibility: token ids are already sent where the API takes them")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests first (output length <= 32)")
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = BACKENDS[args.backend]
     base_url = base_url_of(args.base_url, args.host, args.port or backend.default_port)
     headers = auth_headers(args.api_key)
-    send_ids = backend.endpoint == "/generate" or (args.tokenize_prompt and backend.takes_token_ids)
+    send_ids = backend.takes_token_ids and not args.prompt_as_text
     try:
         model = args.model or (None if backend.endpoint == "/generate" else served_model_id(base_url, headers))
         tokenizer, tokenizer_path = load_tokenizer_for(base_url, headers, args.tokenizer)

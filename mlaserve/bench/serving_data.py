@@ -54,7 +54,7 @@ def exact_length_text(tokenizer, ids: list[int], target: int, pool: list[int], r
         else:
             ids = encoded + [rng.choice(pool) for _ in range(target - len(encoded))]
     raise ValueError(f"could not build a text prompt of exactly {target} tokens after {max_tries} tries "
-                     f"(last attempt re-tokenized to {len(encoded)}); use token-id prompts (--tokenize-prompt)")
+                     f"(last attempt re-tokenized to {len(encoded)}); send token ids instead (drop --prompt-as-text)")
 
 
 def sample_lengths(mean_len: int, range_ratio: float, n: int, rng: random.Random) -> list[int]:
