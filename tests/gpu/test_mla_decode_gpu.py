@@ -1,0 +1,162 @@
+"""The Triton MLA decode kernel at real shapes on a GPU, against the torch reference; CUDA-graph capture.
+
+Tolerances follow FlashMLA's tests: every output element within 1e-3 absolute or 2/128 relative, cosine
+distance of the whole output <= 1e-5 (1e-4 with FP8 KV), lse within 2e-3; see `_check` for short requests. Cache rows no request owns hold NaN (bf16) or 0xFF
+bytes (NaN in e4m3, the fp32 scales and bf16 k_pe alike) and block-table entries past a request's
+pages a poison page id, so a read outside a request's tokens shows up.
+One command: python -m pytest -q tests/gpu/test_mla_decode_gpu.py
+"""
+
+import math
+
+import pytest
+import torch
+
+from mlaserve import ops
+from mlaserve.attention.base import BackendConfig
+from mlaserve.attention.batch import BatchLayout
+from mlaserve.kernels import reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SCALE = 192 ** -0.5
+POISON_PAGE = 1 << 30
+
+
+def _case(lens, page_size, s_q, h, kv_kind, seed):
+    """-> q [b, s_q, h, 576] bf16, kv cache, block_table int32 [b, max_pages], seqlens int32 [b] (all on cuda)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen_cpu = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(n / page_size) for n in lens]
+    num_pages = sum(pages) + 2
+    order = torch.randperm(num_pages, generator=gen_cpu)
+    table = torch.full((len(lens), max(pages) + 1), POISON_PAGE, dtype=torch.int32)
+    owned = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    start = 0
+    for i, (n, p) in enumerate(zip(lens, pages)):
+        table[i, :p] = order[start:start + p].int()
+        slots = table[i, :p].long()[:, None] * page_size + torch.arange(page_size)
+        owned[slots.flatten()[:n]] = True
+        start += p
+    kv = torch.randn(num_pages, page_size, 576, device="cuda", generator=gen, dtype=torch.bfloat16)
+    owned = owned.view(num_pages, page_size).cuda()
+    if kv_kind == "fp8":
+        kv = ops.quantize_kv_fp8(kv)
+        kv[~owned] = 0xFF
+    else:
+        kv[~owned] = float("nan")
+    q = torch.randn(len(lens), s_q, h, 576, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return q, kv, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def _check(out, lse, q, kv, table, seqlens, rows):
+    """Compares requests `rows` of a kernel result (lse may be None) with the reference, computed for those only.
+
+    Requests of >= 256 keys (outputs average many rows) must meet FlashMLA's bounds. Shorter ones may
+    have outputs of magnitude ~1 where rounding P (and FP8-dequantized rows) to bf16 before P·V moves
+    an element by up to 2^-8 of the output's magnitude: they get that much absolute slack.
+    """
+    idx = torch.tensor(rows, device=out.device)
+    ref_out, ref_lse = reference.mla_decode(q[idx], kv, table[idx], seqlens[idx], SCALE, causal=True, head_dim_v=512)
+    out, ref_out = out[idx].float(), ref_out.float()
+    assert not out.isnan().any()
+    empty = ref_lse == float("-inf")
+    if lse is not None:
+        assert torch.equal(lse[idx] == float("-inf"), empty)
+    assert (out[empty] == 0).all()
+    err = (out - ref_out).abs()
+    long = seqlens[idx] >= 256
+    slack = torch.where(long, 0.0, (2 ** -6 if kv.dtype == torch.uint8 else 2 ** -7)
+                        * ref_out.abs().amax(dim=(1, 2, 3)))[:, None, None, None]
+    bad = (err > 1e-3 + slack) & (err > (2 / 128) * ref_out.abs())
+    assert not bad.any(), f"{int(bad.sum())} elements off; worst abs err {float(err.max()):.3g}"
+    x, y = out[long].double().flatten(), ref_out[long].double().flatten()
+    if x.numel():
+        cos_dist = float(1 - 2 * (x @ y) / (x @ x + y @ y).clamp_min(1e-30))
+        # FP8: the kernel rounds dequantized rows (e4m3 * fp32 scale) to bf16, the reference keeps them in fp32
+        limit = 1e-4 if kv.dtype == torch.uint8 else 1e-5
+        assert cos_dist <= limit, f"cosine distance {cos_dist:.3g} > {limit}"
+    if lse is not None:
+        lse = lse[idx]
+        assert not lse.isnan().any()
+        lse_err = float((lse[~empty] - ref_lse[~empty]).abs().max()) if (~empty).any() else 0.0
+        assert lse_err <= 2e-3, f"lse abs err {lse_err:.3g}"
+
+
+CASES = [
+    # b, s_q, s_k, h, kv, num_splits (None: the kernel's own choice)
+    (128, 1, 4096, 128, "bf16", None),
+    (128, 2, 8192, 16, "bf16", None),
+    (128, 1, 4096, 64, "fp8", None),
+    (128, 2, 4096, 32, "fp8", None),
+    (4, 1, 32768, 128, "bf16", None),
+    (1, 1, 32768, 16, "bf16", None),
+    (16, 2, 32768, 128, "fp8", None),
+    (4, 1, 32768, 16, "fp8", None),
+    (3, 2, 20000, 64, "bf16", 1),
+    (3, 2, 20000, 64, "bf16", 7),
+]
+
+
+@pytest.mark.parametrize("b,s_q,s_k,h,kv_kind,num_splits", CASES)
+def test_matches_reference(b, s_q, s_k, h, kv_kind, num_splits):
+    gen = torch.Generator().manual_seed(b * 7 + s_q + h)
+    lens = torch.randint(s_k // 2, s_k * 3 // 2 + 1, (b,), generator=gen).tolist()
+    lens[0] = s_k                                        # the nominal length
+    if b > 2:
+        lens[1], lens[2] = 1, 0                          # a first token that sees nothing (s_q 2); an empty request
+    q, kv, table, seqlens = _case(lens, 64, s_q, h, kv_kind, seed=b + s_k + h)
+    options = {} if num_splits is None else {"num_splits": num_splits}
+    out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton", **options)
+    torch.cuda.synchronize()
+    rows = list(range(min(b, 12)))
+    _check(out, lse, q, kv, table, seqlens, rows)
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 128])
+def test_page_sizes(page_size):
+    lens = [3000, 77, 1]
+    q, kv, table, seqlens = _case(lens, page_size, 2, 32, "bf16", seed=page_size)
+    out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, head_dim_v=512, backend="triton", num_splits=3)
+    _check(out, lse, q, kv, table, seqlens, [0, 1, 2])
+
+
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+def test_cuda_graph_replay_equals_eager(kv_kind):
+    from mlaserve.attention.triton_backend import TritonBackend
+    config = BackendConfig(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                           kv_cache_dtype="fp8_e4m3" if kv_kind == "fp8" else "auto", device=torch.device("cuda"))
+    backend = TritonBackend(config)
+    bs, page_size = 6, 64
+    # one pool holding two steps' requests: step 1 uses requests 0..5, step 2 (other lengths, other pages) 6..11
+    lens = [4000, 100, 2500, 1, 64, 3333] + [5000, 4096, 7, 1200, 65, 2]
+    q, kv, table, _ = _case(lens, page_size, 1, 16, kv_kind, seed=5)
+    tables = [[p for p in row.tolist() if p != POISON_PAGE] for row in table.cpu()]
+
+    def step(first):
+        sl = slice(first, first + bs)
+        layout = BatchLayout.build([n - 1 for n in lens[sl]], [1] * bs, tables[sl], page_size, "cuda")
+        return q[sl, 0].contiguous(), layout
+
+    backend.init_cuda_graph(max_batch_size=8, max_pages=table.shape[1])
+    q1, layout1 = step(0)
+    meta = backend.plan_for_capture(layout1)
+    assert meta.decode_plan.num_splits > 1, "a small batch should split the KV (this tests the workspace in a graph)"
+    q_static = q1.clone()
+    backend.mla(q_static, kv, layout1, meta, SCALE, 512)            # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = backend.mla(q_static, kv, layout1, meta, SCALE, 512)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_static, backend.mla(q1, kv, layout1, meta, SCALE, 512))
+
+    q2, layout2 = step(bs)
+    assert backend.plan_for_replay(layout2) is meta
+    q_static.copy_(q2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_static, backend.mla(q2, kv, layout2, meta, SCALE, 512))
+    _check(out_static.unsqueeze(1), None, q2.unsqueeze(1), kv, layout2.block_table, layout2.cache_seqlens,
+           list(range(bs)))
