@@ -48,8 +48,8 @@ ARCHS = {
 def hf_config(arch: str, **overrides):
     """transformers' config object for the tiny `arch` (see ARCHS), with `overrides` applied last."""
     import transformers
-    cfg_cls, _, arch_overrides = ARCHS[arch]
-    kwargs = {**_COMMON, **arch_overrides, **overrides}
+    cfg_cls, model_cls, arch_overrides = ARCHS[arch]
+    kwargs = {**_COMMON, "architectures": [model_cls], **arch_overrides, **overrides}
     return getattr(transformers, cfg_cls)(**kwargs)
 
 

@@ -30,12 +30,12 @@ class Sequence:
 
 class PagedRunner:
     def __init__(self, model, page_size: int = 8, num_pages: int = 64, kv_cache_dtype: str = "auto",
-                 extend_form: str = "mha", seed: int = 0):
+                 extend_form: str = "mha", seed: int = 0, pool_cls: type = KVPool):
         self.model = model
         config = model.backend_config(kv_cache_dtype, model.device)
         self.dense = TorchBackend(config, extend_form=extend_form)
         self.sparse = TorchBackend(config) if model.config.is_dsa else None
-        self.pool = KVPool(**model.kv_pool_spec(), num_pages=num_pages, page_size=page_size, dtype=model.dtype,
+        self.pool = pool_cls(**model.kv_pool_spec(), num_pages=num_pages, page_size=page_size, dtype=model.dtype,
                            device=model.device, kv_cache_dtype=kv_cache_dtype)
         for layer in range(model.config.num_layers):
             kv = self.pool.kv(layer)

@@ -1,0 +1,53 @@
+"""The ways of computing one model step agree: absorbed vs MHA prefill, and prefill in one step vs in chunks
+vs token by token (each chunk attending over the pages the previous chunks wrote)."""
+
+import pytest
+import torch
+
+from model_factory import cached_checkpoint, random_prompts, rel_err
+from model_harness import PagedRunner
+from mlaserve.models import load_model
+
+LENGTHS = [21, 7, 30]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: load_model(cached_checkpoint(arch)) for arch in ("v3", "v2_lite", "v32", "glm5")}
+
+
+def _prefill(model, prompts, chunk=None, extend_form="mha", page_size=8):
+    runner = PagedRunner(model, page_size=page_size, extend_form=extend_form, seed=len(prompts) + (chunk or 0))
+    return runner.prefill([runner.add(p) for p in prompts], chunk=chunk)
+
+
+@pytest.mark.parametrize("arch", ["v3", "v2_lite"])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_absorbed_and_mha_prefill_agree(models, arch, chunk):
+    model = models[arch]
+    prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=21)
+    mha = _prefill(model, prompts, chunk, extend_form="mha")
+    absorbed = _prefill(model, prompts, chunk, extend_form="absorbed")
+    for a, b in zip(absorbed, mha):
+        assert torch.isfinite(a).all()
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["v3", "v32", "glm5"])
+def test_chunked_and_token_by_token_prefill_agree(models, arch):
+    model = models[arch]
+    prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=22)
+    whole = _prefill(model, prompts)
+    for chunk in (5, 1):   # chunk=1: every step is a DECODE step
+        for a, b in zip(_prefill(model, prompts, chunk=chunk, page_size=4), whole):
+            assert torch.isfinite(a).all()
+            assert rel_err(a, b) < 1e-5, f"{arch}: chunk {chunk}"
+
+
+def test_batch_composition_does_not_change_results(models):
+    """A request's logits are the same alone and next to others of different lengths (DSA model)."""
+    model = models["v32"]
+    prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=23)
+    together = _prefill(model, prompts)
+    for prompt, logits in zip(prompts, together):
+        assert rel_err(_prefill(model, [prompt])[0], logits) < 1e-5
