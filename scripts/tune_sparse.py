@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sweep the launch knobs of the Triton sparse MLA and DSA indexer kernels over the benchmark shapes (GPU).
 
-    python3 scripts/tune_sparse.py --out tune_sparse.json [--budget-s 200] [--only sparse,indexer,select]
+    python3 scripts/tune_sparse.py --out tune_sparse.json [--budget-s 200] [--only sparse,indexer]
 
 For each shape, in the order of the targets that matter most, it times candidate configs with
 `triton.testing.do_bench` (median; do_bench flushes L2 before every run), checks every config's output
@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 
 import torch
@@ -225,9 +226,10 @@ INDEXER_CANDIDATES = {
     "prefill": [{}, {"block_t": 4}, {"block_t": 4, "num_warps": 8}, {"block_n": 128},
                 {"block_n": 128, "block_t": 4, "num_warps": 8}, {"block_t": 1}, {"num_stages": 2}],
 }
+# radix select: larger chunks than 4096 x 16 warps spill registers on sm_90a (ptxas -v)
 SELECT_CANDIDATES = [{"select": "torch"}, {"select": "triton", "block": 4096, "num_warps": 16},
-                     {"select": "triton", "block": 2048, "num_warps": 8}, {"select": "triton", "block": 4096, "num_warps": 8},
-                     {"select": "triton", "block": 8192, "num_warps": 16}, {"select": "triton", "block": 2048, "num_warps": 4}]
+                     {"select": "triton", "block": 2048, "num_warps": 8}, {"select": "triton", "block": 2048, "num_warps": 16},
+                     {"select": "triton", "block": 4096, "num_warps": 8}, {"select": "triton", "block": 1024, "num_warps": 4}]
 
 
 def tune_indexer(shape: IndexerShape, budget: Budget, seconds: float, limits: dict) -> dict:
@@ -367,7 +369,8 @@ def default_tasks(parts: set[str]) -> list[tuple[float, object]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write (rewritten after every shape)")
-    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new configs after this many seconds")
+    p.add_argument("--budget-s", type=float, default=float(os.environ.get("TUNE_SPARSE_BUDGET_S", 200)),
+                   help="stop starting new configs after this many seconds (default: $TUNE_SPARSE_BUDGET_S or 200)")
     p.add_argument("--only", default="sparse,indexer", help="comma list of sparse,indexer")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -390,11 +393,17 @@ def main(argv=None) -> int:
             report["results"].append({"shape": asdict(shape), "skipped": "budget"})
             continue
         seconds = max(15.0, weight * budget.left())
-        if isinstance(shape, SparseShape):
-            result = tune_sparse(shape, budget, seconds)
-        else:
-            result = tune_indexer(shape, budget, seconds, report["limits"])
+        try:
+            if isinstance(shape, SparseShape):
+                result = tune_sparse(shape, budget, seconds)
+            else:
+                result = tune_indexer(shape, budget, seconds, report["limits"])
+        except Exception as e:  # e.g. out of memory building the inputs: recorded, and the next shape still runs
+            traceback.print_exc()
+            result = {"shape": asdict(shape), "error": f"{type(e).__name__}: {e}"}
+            torch.cuda.empty_cache()
         report["results"].append(result)
+        report["tuned_tables"] = tuned_tables([r for r in report["results"] if "kind" in r])
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
