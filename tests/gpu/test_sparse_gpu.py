@@ -16,7 +16,7 @@ import torch
 from mlaserve import ops
 from mlaserve.kernels import reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 triton_sparse = importlib.import_module("mlaserve.kernels.triton.sparse_mla")
 triton_indexer = importlib.import_module("mlaserve.kernels.triton.indexer")
@@ -124,7 +124,8 @@ def test_sparse_mla_cuda_graph_replay_equals_eager():
     q, cache, indices = _sparse_case(16, 2, 64, 8192, "fp8", seed=1, causal=False)
     other = _sparse_case(16, 2, 64, 8192, "fp8", seed=1, causal=False)[2].roll(1, dims=0)
     q_static, idx_static = q.clone(), indices.clone()
-    call = lambda: triton_sparse.sparse_mla(q_static, cache, idx_static, SCALE, head_dim_v=512)  # noqa: E731
+    knobs = {"num_splits": 3, "block_n": 32}          # compiled already by SPARSE_CASES
+    call = lambda: triton_sparse.sparse_mla(q_static, cache, idx_static, SCALE, head_dim_v=512, **knobs)  # noqa: E731
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -133,7 +134,7 @@ def test_sparse_mla_cuda_graph_replay_equals_eager():
     idx_static.copy_(other)
     graph.replay()
     torch.cuda.synchronize()
-    eager_out, eager_lse = triton_sparse.sparse_mla(q, cache, other, SCALE, head_dim_v=512)
+    eager_out, eager_lse = triton_sparse.sparse_mla(q, cache, other, SCALE, head_dim_v=512, **knobs)
     assert torch.equal(out_static, eager_out) and torch.equal(lse_static, eager_lse)
 
 
