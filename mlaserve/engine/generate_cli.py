@@ -1,7 +1,8 @@
-"""`mlaserve generate --model-path DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] ...`
+"""`mlaserve generate [--model-path DIR] --prompt TEXT [--prompt TEXT ...] [--max-tokens N] ...`
 
-Offline generation through the LLM API; prints each prompt's completion. Engine flags use
-SGLang's names, as `mlaserve serve` does.
+Offline generation through the LLM API; prints each prompt's completion. Without
+--model-path it runs the small built-in model (made on first use). Engine flags use SGLang's
+names, as `mlaserve serve` does.
 """
 
 import argparse
@@ -13,7 +14,7 @@ from mlaserve.attention import registry
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlaserve generate", description=__doc__.split("\n\n")[1])
-    p.add_argument("--model-path", required=True, help="HF-layout model directory")
+    p.add_argument("--model-path", default=None, help="HF-layout model directory (default: the built-in model)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from mlaserve.engine.llm import LLM
     from mlaserve.engine.sampling_params import SamplingParams
+    if args.model_path is None:
+        from mlaserve.models.builtin import ensure_builtin_model
+        args.model_path = ensure_builtin_model()
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
