@@ -21,6 +21,13 @@ from mlaserve.attention.torch_backend import TorchBackend
 from mlaserve.engine.kv_pool import KVPool
 
 
+def set_moe_dense_max_pairs(model, pairs: int) -> None:
+    """Where the MoE layers switch from the dense-over-experts form to the expert loop (tokens x experts)."""
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "dense_max_pairs"):
+            layer.mlp.dense_max_pairs = pairs
+
+
 @dataclass
 class Sequence:
     tokens: list[int]

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from model_factory import cached_checkpoint, random_prompts, rel_err
-from model_harness import PagedRunner
+from model_harness import PagedRunner, set_moe_dense_max_pairs
 from mlaserve.models import load_model
+from mlaserve.models.moe import DENSE_MAX_PAIRS
 
 LENGTHS = [21, 7, 30]
 
@@ -51,3 +52,18 @@ def test_batch_composition_does_not_change_results(models):
     together = _prefill(model, prompts)
     for prompt, logits in zip(prompts, together):
         assert rel_err(_prefill(model, [prompt])[0], logits) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["v3", "v2_lite"])
+def test_moe_dense_and_loop_forms_agree(models, arch):
+    model = models[arch]
+    prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=24)
+    try:
+        set_moe_dense_max_pairs(model, 0)
+        loop = _prefill(model, prompts)
+        set_moe_dense_max_pairs(model, 1 << 30)
+        dense = _prefill(model, prompts)
+    finally:
+        set_moe_dense_max_pairs(model, DENSE_MAX_PAIRS)
+    for a, b in zip(dense, loop):
+        assert rel_err(a, b) < 1e-5

@@ -154,6 +154,9 @@ def test_interface_values():
     dense = load_model(cached_checkpoint("v2_lite"))
     assert dense.kv_pool_spec()["index_head_dim"] is None and dense.backend_config("auto", "cpu").index_topk is None
     assert not model.training
+    moe = model.model.layers[2].mlp   # the experts' parameters are views of the stacked weights
+    assert moe.experts[3].up_proj.weight.untyped_storage().data_ptr() == moe.gate_up.untyped_storage().data_ptr()
+    assert torch.equal(moe.down[5], moe.experts[5].down_proj.weight)
 
 
 def test_load_tokenizer(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model_factory import ARCHS, cached_checkpoint, hf_greedy, hf_prompt_logprobs, load_hf, random_prompts, rel_err
-from model_harness import PagedRunner
+from model_harness import PagedRunner, set_moe_dense_max_pairs
 from mlaserve.models import load_model
 
 LENGTHS = [23, 9, 37]
@@ -20,7 +20,10 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module", params=list(ARCHS))
 def models(request):
     path = cached_checkpoint(request.param)
-    return request.param, load_model(path), load_hf(path)
+    model = load_model(path)
+    # prefills (T >= 9) through the expert loop, decode steps (T = 3) through the dense-over-experts form
+    set_moe_dense_max_pairs(model, 3 * model.config.n_routed_experts)
+    return request.param, model, load_hf(path)
 
 
 def test_prompt_logprobs_match_transformers(models):

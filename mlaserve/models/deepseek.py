@@ -68,11 +68,13 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def prepare_weights(self) -> None:
-        """After the weights are in place: absorbed-MLA views and rope tables on the model's device."""
+        """After the weights are in place: absorbed-MLA views, stacked experts, rope tables on the model's device."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
             layer.self_attn.prepare_weights()
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.prepare_weights()
         self.rotary.to(self.device)
 
     @torch.no_grad()

@@ -7,7 +7,14 @@ Routing, as transformers' DeepSeek-V2/V3 routers compute it (float32 throughout)
   times `routed_scaling_factor`.
 - "greedy" / "group_limited_greedy" (V2): softmax scores; top-k overall, or within the groups with
   the highest maximum score; times `routed_scaling_factor`.
-The experts run as a plain loop over the experts that received tokens.
+The experts run one of two ways, equal up to summation order:
+- a loop over the experts that received tokens (any batch; one host sync per layer for the counts);
+- every expert on every token, weighted by the routing (zero for unchosen experts), as two batched
+  matmuls over the stacked weights: no host sync and few launches, so decode steps stay cheap on a
+  GPU (and capturable); used while tokens x experts <= `dense_max_pairs`, where the wasted FLOPs
+  (experts / top_k times the routed ones) cost less than a launch-bound loop.
+After loading, `prepare_weights` stacks the experts' weights into gate_up [E, 2I, hidden] and
+down [E, hidden, I] and turns each expert's parameters into views of them (memory does not grow).
 """
 
 import torch
@@ -60,19 +67,56 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
 
+# Largest tokens x routed experts for which the dense-over-experts form runs (module docstring).
+DENSE_MAX_PAIRS = 8192
+
+
 class MoE(nn.Module):
     """Routed experts plus shared experts. x [T, hidden] -> [T, hidden]."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.dense_max_pairs = DENSE_MAX_PAIRS
+        self.gate_up: torch.Tensor | None = None   # [E, 2I, hidden], after prepare_weights
+        self.down: torch.Tensor | None = None      # [E, hidden, I]
         self.gate = Router(config)
         self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.n_routed_experts))
         self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
 
+    def prepare_weights(self) -> None:
+        """Stacks the experts' weights; each expert's parameters become views into the stacks."""
+        inter = self.experts[0].gate_proj.weight.shape[0]
+        with torch.no_grad():
+            self.gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            self.down = torch.stack([e.down_proj.weight for e in self.experts])
+        for i, e in enumerate(self.experts):
+            e.gate_proj.weight = nn.Parameter(self.gate_up[i, :inter], requires_grad=False)
+            e.up_proj.weight = nn.Parameter(self.gate_up[i, inter:], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(self.down[i], requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)                                  # [T, k] each
+        if self.gate_up is not None and x.shape[0] * len(self.experts) <= self.dense_max_pairs:
+            out = self._dense(x, weights, ids)
+        else:
+            out = self._loop(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token. x [T, hidden]; weights float32 / ids int64 [T, k] -> [T, hidden]."""
+        inter = self.down.shape[-1]
+        route = torch.zeros(x.shape[0], len(self.experts), dtype=torch.float32, device=x.device)
+        route.scatter_(1, ids, weights)                              # [T, E]: 0 for unchosen experts
+        h = torch.matmul(x, self.gate_up.transpose(1, 2))           # [E, T, 2I]
+        y = torch.matmul(F.silu(h[..., :inter]) * h[..., inter:], self.down.transpose(1, 2))   # [E, T, hidden]
+        return torch.einsum("eth,te->th", y.float(), route).to(x.dtype)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts that received tokens, one after another. Same contract as `_dense`."""
         top_k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)                            # (token, choice) pairs grouped by expert
@@ -86,6 +130,4 @@ class MoE(nn.Module):
                 y = expert(x[tokens]) * weights.flatten()[pairs, None]
                 out.index_add_(0, tokens, y.to(x.dtype))
                 start += n
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
