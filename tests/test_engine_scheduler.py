@@ -215,3 +215,43 @@ def test_prompt_logprobs_across_chunks_and_logprobs():
         seq.append(tok)
     assert res["b"]["token_ids"] == a["token_ids"] and res["b"]["prompt_logprobs"] is None
     assert res["b"]["logprobs"] == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_with_aborts_keeps_outputs_and_pages_consistent(seed):
+    """Random arrivals, shared prefixes, aborts, a small pool: finished requests are exact,
+    every page's refcount matches its holders after every step, nothing leaks."""
+    rng = random.Random(100 + seed)
+    ps = rng.choice([2, 4, 8])
+    engine, _ = make_engine(page_size=ps, num_pages=rng.randint(48, 80) // ps + 1,   # <= 41 tokens each
+                            chunked_prefill_size=rng.choice([None, 5, 16]), max_running_requests=rng.randint(2, 8))
+    stems = random_prompts(rng, 3, 4, 20)
+    expected, results, aborted, n = {}, {}, set(), 0
+    for step in range(400):
+        if n < 40 and rng.random() < 0.5:
+            prompt = rng.choice(stems)[:rng.randint(1, 20)] + random_prompts(rng, 1, 0, 6)[0]
+            max_tokens = rng.randint(1, 15)
+            engine.add_request(str(n), prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+            expected[str(n)] = fake_greedy(prompt, max_tokens, eos=None)
+            n += 1
+        if rng.random() < 0.05 and engine._requests:
+            rid = rng.choice(sorted(engine._requests))
+            engine.abort(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        holders = {}
+        for r in engine._requests.values():
+            for p in r.pages:
+                holders[p] = holders.get(p, 0) + 1
+        alloc, cache = engine.kv_pool.allocator, engine.kv.cache
+        for p in range(1, alloc.num_pages):
+            assert alloc.refcount(p) == holders.get(p, 0) + cache.holds(p), (step, p)
+        if n >= 40 and not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    for rid, toks in expected.items():
+        if rid not in aborted:
+            assert results[rid] == toks, rid
+    assert engine.leaked_pages() == []
+    assert engine.num_free_pages() == engine.kv.capacity_pages
