@@ -22,11 +22,11 @@ from pathlib import Path
 import httpx
 
 API_KEY = "test-key-123"
-PAGE_SIZE = 16
-POOL_PAGES = 24                    # 384 tokens: a handful of requests at once
-CONTEXT_LENGTH = 256
+PAGE_SIZE = 2                      # tiny pages: decoding requests grow by pages, so the pool runs dry
+POOL_PAGES = 96                    # 192 tokens: a handful of requests at once
+CONTEXT_LENGTH = 128
 SHARED_ARGS = ["--page-size", str(PAGE_SIZE), "--max-total-tokens", str(POOL_PAGES * PAGE_SIZE),
-               "--context-length", str(CONTEXT_LENGTH), "--chunked-prefill-size", "32",
+               "--context-length", str(CONTEXT_LENGTH), "--chunked-prefill-size", "128",
                "--api-key", API_KEY, "--log-level", "warning"]
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,13 +47,14 @@ class Server:
         return Path(self.log_path).read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        """Unlabelled view of /metrics: metric name -> value (labels dropped; one series per name)."""
+        """/metrics as metric name -> value, summed over label sets (counters by route, say)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name_labels, value = line.rsplit(" ", 1)
-                out[name_labels.split("{")[0]] = float(value)
+                name = name_labels.split("{")[0]
+                out[name] = out.get(name, 0.0) + float(value)
         return out
 
     def stop(self) -> None:

@@ -7,7 +7,7 @@ import os
 import httpx
 import pytest
 
-from tests.server_harness import shared_server, wait_idle
+from tests.server_harness import PAGE_SIZE, POOL_PAGES, shared_server, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 
 
 def test_generate_text_and_input_ids_agree(server):
-    text = "Hello there, General Kenobi"           # longer than a page (16), so a full page can be shared
+    text = "Hello there, General Kenobi"           # several pages long, so full pages can be shared
     by_text = generate(server, {"text": text, "sampling_params": GREEDY})
     meta = by_text["meta_info"]
     assert meta["completion_tokens"] == 10 == len(by_text["output_ids"])
@@ -47,7 +47,8 @@ def test_generate_text_and_input_ids_agree(server):
     ids = [0] + [4 + b for b in text.encode()]                        # the built-in tokenizer's ids
     by_ids = generate(server, {"input_ids": ids, "sampling_params": GREEDY})
     assert by_ids["output_ids"] == by_text["output_ids"] and by_ids["text"] == by_text["text"]
-    assert by_ids["meta_info"]["cached_tokens"] == 16                 # the same prompt again: its full page hits
+    cached = by_ids["meta_info"]["cached_tokens"]                     # the same prompt again: its full pages hit
+    assert cached % PAGE_SIZE == 0 and len(ids) - PAGE_SIZE <= cached < len(ids)
 
 
 def test_generate_batch_of_prompts(server):
@@ -113,7 +114,7 @@ def test_metrics_content(server):
                  "mlaserve_requests_total", "mlaserve_generation_tokens_total"):
         assert f"\n{name}{{" in text, name
     assert "# TYPE mlaserve_time_to_first_token_seconds histogram" in text
-    assert m["mlaserve_kv_pages_total"] == 24 and m["mlaserve_kv_page_size"] == 16
+    assert m["mlaserve_kv_pages_total"] == POOL_PAGES and m["mlaserve_kv_page_size"] == PAGE_SIZE
     assert m["mlaserve_engine_generation_tokens_total"] >= 5
     assert m["mlaserve_time_to_first_token_seconds_count"] >= 1 and m["mlaserve_inter_token_latency_seconds_count"] >= 4
     assert 0 <= m["mlaserve_prefix_cache_hit_rate"] <= 1
