@@ -6,8 +6,12 @@ so that a kernel reading anything it should not shows up as NaN or an out-of-ran
 fp16/fp32 only: the interpreter computes tl.dot on bf16 wrongly (KERNEL-NOTES.md).
 """
 
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,3 +274,18 @@ def test_graph_hooks_write_static_buffers():
         backend.plan_for_replay(_layout_and_cache([1, 2, 3], [1, 1, 1], 16, 80, gen)[0])
     with pytest.raises(ValueError, match="DECODE"):
         backend.plan_for_capture(_layout_and_cache([1], [3], 16, 80, gen, mode=ForwardMode.EXTEND)[0])
+
+
+def test_tuning_script_runs_end_to_end(tmp_path):
+    """scripts/tune_mla_decode.py --smoke: its whole pipeline (parallel compile, check, timing, JSON) on tiny shapes."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tune_mla_decode.py"
+    out = tmp_path / "tune.json"
+    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    r = subprocess.run([sys.executable, str(script), "--smoke", "--only", "fp8", "--workers", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["rows"] and all(row["check"] == "ok" for row in data["rows"]), data["rows"]
+    assert len({row["num_splits"] for row in data["rows"]}) > 1, "the smoke shape should try several split counts"
+    assert data["best"]["16,fp8"]["config"] is not None
+    assert "DEFAULT_CONFIGS = {" in r.stdout
