@@ -103,17 +103,18 @@ def load_hf(path: str):
 @torch.no_grad()
 def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
     """log_softmax of transformers' logits at every prompt position: float32 [len(prompt), vocab]."""
-    logits = hf_model(torch.tensor([prompt])).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
+    logits = hf_model(torch.tensor([prompt], device=hf_model.device)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
 @torch.no_grad()
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy generate with EOS disabled -> (new tokens, raw logits float32 [max_new_tokens, vocab])."""
-    out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    out = hf_model.generate(torch.tensor([prompt], device=hf_model.device), do_sample=False,
+                            max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0, output_logits=True,
+                            return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, torch.cat([l.float() for l in out.logits], dim=0)
+    return tokens, torch.cat([l.float() for l in out.logits], dim=0).cpu()
 
 
 _CACHE: dict[tuple, str] = {}
@@ -141,5 +142,6 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| relative to the scale of `expected` (its max magnitude, at least 1)."""
-    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1.0))
+    """max |actual - expected| relative to the scale of `expected` (its max magnitude, at least 1), on the CPU."""
+    actual, expected = actual.float().cpu(), expected.float().cpu()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0))

@@ -1,6 +1,6 @@
 """Drives an mlaserve model the way the engine does: paged KV pool, BatchLayout, ForwardBatch, torch backend.
 
-    runner = PagedRunner(model, page_size=8)
+    runner = PagedRunner(model, page_size=8)            # backend="triton" etc. through the registry
     rids = [runner.add(p) for p in prompts]
     logits = runner.prefill(rids)                   # one EXTEND step for all: list of float32 [len, vocab]
     logits = runner.prefill(rids, chunk=5)          # chunked prefill: several EXTEND steps
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlaserve.attention import registry
 from mlaserve.attention.batch import BatchLayout, ForwardBatch
 from mlaserve.attention.torch_backend import TorchBackend
 from mlaserve.engine.kv_pool import KVPool
@@ -37,11 +38,14 @@ class Sequence:
 
 class PagedRunner:
     def __init__(self, model, page_size: int = 8, num_pages: int = 64, kv_cache_dtype: str = "auto",
-                 extend_form: str = "mha", seed: int = 0, pool_cls: type = KVPool):
+                 extend_form: str = "mha", seed: int = 0, pool_cls: type = KVPool, backend: str = "torch"):
         self.model = model
         config = model.backend_config(kv_cache_dtype, model.device)
-        self.dense = TorchBackend(config, extend_form=extend_form)
-        self.sparse = TorchBackend(config) if model.config.is_dsa else None
+        if backend == "torch":
+            self.dense = TorchBackend(config, extend_form=extend_form)
+        else:
+            self.dense = registry.create(backend, config)
+        self.sparse = self.dense if model.config.is_dsa else None
         self.pool = pool_cls(**model.kv_pool_spec(), num_pages=num_pages, page_size=page_size, dtype=model.dtype,
                            device=model.device, kv_cache_dtype=kv_cache_dtype)
         for layer in range(model.config.num_layers):

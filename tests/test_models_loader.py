@@ -40,7 +40,7 @@ def _quantizable(name: str, t: torch.Tensor) -> bool:
 
 
 def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w float32 [N, K] -> (float8 [N, K], scale_inv float32 [nb, kb], the dequantized float32 [N, K]), block by block."""
+    """w float32 [N, K] -> (float8 [N, K], scale_inv float32 [nb, kb], dequantized float32 [N, K]), block by block."""
     n, k = w.shape
     nb, kb = -(-n // BLOCK[0]), -(-k // BLOCK[1])
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn)

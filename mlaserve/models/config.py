@@ -77,7 +77,8 @@ class ModelConfig:
     index_head_dim: int = 0
     index_topk: int = 0
     indexer_rope_interleave: bool = False  # GLM-5: interleaved; DeepSeek-V3.2: halves
-    indexer_types: list[str] = field(default_factory=list)     # per layer: "full" or "shared" (reuses the previous top-k)
+    # per layer: "full" (runs its indexer) or "shared" (reuses the previous layer's top-k)
+    indexer_types: list[str] = field(default_factory=list)
     # -- checkpoint --
     num_nextn_predict_layers: int = 0     # MTP layers stored after the last decoder layer (unused here)
     fp8_block_size: tuple[int, int] | None = None   # DeepSeek FP8 block-quantized weights

@@ -40,7 +40,8 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden]; q_lora [T, q_lora_rank]; cos/sin float32 [T, rope/2] -> int32 [T, index_topk] slots (-1 unused).
+        """x [T, hidden]; q_lora [T, q_lora_rank]; cos/sin float32 [T, rope/2] -> int32 [T, index_topk] slot ids,
+        -1 where fewer keys are visible.
 
         Writes this step's indexer keys into the cache first, so that each token sees itself.
         """

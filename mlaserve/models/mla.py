@@ -43,7 +43,7 @@ class MLAttention(nn.Module):
             self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank)
             self.q_b_proj = nn.Linear(config.q_lora_rank, h * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * config.v_head_dim, config.hidden_size, bias=bias)
