@@ -33,8 +33,10 @@ ARCHS = {
     "v2_lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
                 dict(q_lora_rank=None, topk_method="greedy", n_group=None, topk_group=None,
                      routed_scaling_factor=1.0, n_shared_experts=2)),
+    # (no released V2 has biases; they are switched on here to cover their code paths)
     "v2_group": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
-                 dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=4.0)),
+                 dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=4.0,
+                      attention_bias=True, mlp_bias=True)),
     "v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
             dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, **_DSA)),
     # GLM-5: qk_nope != v_head_dim as in the real model (192 / 256), interleaved indexer rope,

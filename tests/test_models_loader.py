@@ -288,3 +288,15 @@ def test_config_readings():
         assert ours == GlmMoeDsaConfig(num_hidden_layers=6, **extra).indexer_types
         assert "shared" in ours
     assert ModelConfig.from_dict(dict(hf, first_k_dense_replace=2)).mlp_layer_types == ["dense", "dense", "sparse"]
+
+
+def test_tied_word_embeddings_match_transformers():
+    from model_factory import hf_prompt_logprobs, load_hf
+    path = cached_checkpoint("v3", seed=9, tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(os.path.join(path, "model.safetensors"))
+    model, hf = load_model(path), load_hf(path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    prompts = random_prompts([15, 26], model.config.vocab_size, seed=53)
+    runner = PagedRunner(model, page_size=8)
+    for prompt, logits in zip(prompts, runner.prefill([runner.add(p) for p in prompts])):
+        assert rel_err(torch.log_softmax(logits, -1), hf_prompt_logprobs(hf, prompt)) < 1e-4

@@ -82,8 +82,9 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.n_routed_experts))
-        self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
-                               if config.n_shared_experts else None)
+        # V2's shared experts are its dense MLP class, with mlp_bias; routed experts never have biases
+        self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                   bias=config.mlp_bias) if config.n_shared_experts else None)
 
     def prepare_weights(self) -> None:
         """Stacks the experts' weights; each expert's parameters become views into the stacks."""
