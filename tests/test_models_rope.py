@@ -95,3 +95,61 @@ def test_rope_variants_match_transformers(arch, overrides):
     for prompt, lg in zip(prompts, runner.prefill([runner.add(p) for p in prompts])):
         assert rel_err(torch.log_softmax(lg, -1), hf_prompt_logprobs(hf, prompt)) < 1e-4
     assert not math.isclose(model.config.rope.factor, 1.0) or "rope_interleave" in overrides
+
+
+# config.json of released checkpoints (as published; fields unrelated to the model's math dropped)
+_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "v_head_dim": 128, "vocab_size": 129280,
+}
+_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "bos_token_id": 100000,
+    "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "tie_word_embeddings": False,
+    "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 102400,
+}
+_KIMI_K2 = dict(_V3, model_type="kimi_k2", num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+                n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, rope_theta=50000.0,
+                max_position_embeddings=131072, eos_token_id=163585, vocab_size=163840,
+                rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"})
+
+
+@pytest.mark.parametrize("hf", [_V3, _V2_LITE, _KIMI_K2], ids=["v3", "v2_lite", "kimi_k2"])
+def test_released_configs_read_as_transformers_reads_them(hf):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+    ours = ModelConfig.from_dict(hf)
+    kwargs = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype",
+                                                        "quantization_config", "scoring_func", "moe_layer_freq")}
+    cls = transformers.DeepseekV2Config if "V2" in hf["architectures"][0] else transformers.DeepseekV3Config
+    ref = cls(**kwargs)
+    inv_freq, attention_factor = rope_inv_freq(ours.rope, ours.qk_rope_head_dim)
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](ref)
+    torch.testing.assert_close(inv_freq, ref_freq, rtol=1e-6, atol=0)
+    assert attention_factor == pytest.approx(ref_factor, rel=1e-12)
+    assert ours.softmax_scale == pytest.approx(yarn_apply_mscale(ref.rope_parameters, ref.qk_head_dim ** -0.5))
+    first_dense = hf["first_k_dense_replace"]
+    assert ours.mlp_layer_types == ["dense"] * first_dense + ["sparse"] * (hf["num_hidden_layers"] - first_dense)
+    assert ours.eos_token_ids == [hf["eos_token_id"]]
+    assert ours.q_lora_rank == hf["q_lora_rank"] and ours.num_heads == hf["num_attention_heads"]
+    assert ours.fp8_block_size == ((128, 128) if "quantization_config" in hf else None)
+    assert (ours.scoring_func, ours.topk_method) == (hf["scoring_func"], hf["topk_method"])
