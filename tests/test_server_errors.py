@@ -64,9 +64,20 @@ def assert_still_serving(server):
     (COMPL, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     (COMPL, {"prompt": [], "max_tokens": 2}, "prompt", "empty"),
     (COMPL, {"prompt": [999999], "max_tokens": 2}, "prompt", "token ids"),
+    (COMPL, {"prompt": "x", "seed": 2 ** 70}, "seed", "less than or equal"),
+    (COMPL, {"prompt": "x", "min_tokens": 5, "max_tokens": 3}, None, "min_tokens"),
 ])
 def test_bad_fields_are_400s(server, path, body, param, says):
     assert_error(post(server, path, body), 400, param, says)
+
+
+@pytest.mark.parametrize("extra", [{"top_k": 100000}, {"temperature": 1e-30}, {"temperature": 1e30},
+                                   {"top_p": 1e-12}, {"seed": -(2 ** 63)}, {"seed": 2 ** 63 - 1, "n": 3},
+                                   {"stop": ["a" * 1000]}, {"logprobs": 20, "top_k": 3}])
+def test_extreme_but_valid_values_are_served(server, extra):
+    r = post(server, COMPL, {"prompt": "edge", "max_tokens": 3, "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3 * extra.get("n", 1)
 
 
 def test_malformed_json(server):

@@ -2,7 +2,7 @@
 
 A request with `n` choices (and, for completions, several prompts) becomes one engine request
 per choice, all run at once; choice index = prompt index * n + j. Seeded requests give choice j
-the seed `seed + j`, so the n samples differ but repeat exactly. `usage` counts each prompt once
+the seed `seed + j` (wrapped to 64 bits), so the n samples differ but repeat exactly. `usage` counts each prompt once
 and every generated token.
 """
 
@@ -43,8 +43,13 @@ def _sampling(req, choice: int, max_tokens: int | None, logprobs: int | None):
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,
         max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos, seed=None if req.seed is None else req.seed + choice, logprobs=logprobs,
+        ignore_eos=req.ignore_eos, seed=None if req.seed is None else _choice_seed(req.seed, choice), logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens)
+
+
+def _choice_seed(seed: int, choice: int) -> int:
+    """seed + choice, wrapped to stay a signed 64-bit seed."""
+    return (seed + choice + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice], n: int) -> dict:

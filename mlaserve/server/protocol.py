@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # seeds: what a torch.Generator takes
 
 
 class _Body(BaseModel):
@@ -31,7 +32,7 @@ class _OpenAISampling(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)            # SGLang/vLLM extension
     min_tokens: int = Field(0, ge=0)                  # vLLM extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None           # SGLang/vLLM extension
     ignore_eos: bool = False                          # SGLang/vLLM extension (bench tools)
@@ -132,8 +133,8 @@ class GenerateSamplingParams(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None
-    seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
