@@ -80,3 +80,20 @@ def test_triton_backend_gives_the_torch_backend_results(models, arch):
         results[backend] = runner.greedy([runner.add(p) for p in prompts], 4)
     assert results["triton"][0] == results["torch"][0]
     assert rel_err(results["triton"][1], results["torch"][1]) < 1e-5
+
+
+@pytest.mark.parametrize("arch,extend_form", [("v3", "mha"), ("v3", "absorbed"), ("glm5", "mha")])
+def test_mixed_extend_step_agrees_with_whole_prefill(models, arch, extend_form):
+    """One EXTEND step holding a request's next single token, another's first chunk and a third's middle
+    chunk (what a continuous-batching engine schedules) gives each token the logits of a whole prefill."""
+    model = models[arch]
+    prompts = random_prompts([18, 12, 15], model.config.vocab_size, seed=26)
+    whole = _prefill(model, prompts)
+    runner = PagedRunner(model, page_size=4, extend_form=extend_form, seed=5)
+    a, b, c = (runner.add(p) for p in prompts)
+    first_a = runner.step([a, c], [17, 5])
+    mixed = runner.step([a, b, c], [1, 12, 4])       # a: one token after 17; b: all 12; c: tokens 5..8
+    last_c = runner.step([c], [6])
+    assert rel_err(torch.cat([first_a[0], mixed[0]]), whole[0]) < 1e-5
+    assert rel_err(mixed[1], whole[1]) < 1e-5
+    assert rel_err(torch.cat([first_a[1], mixed[2], last_c[0]]), whole[2]) < 1e-5
