@@ -72,6 +72,9 @@ def test_tokenizer_roundtrip_and_chat_template(model_dir):
     assert prompt == "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi<｜Assistant｜>"
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     assert ids[:1] == [builtin.BOS_ID] and ids[-1] == tok.convert_tokens_to_ids("<｜Assistant｜>")
+    from transformers import PreTrainedTokenizerFast
+    fast = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    assert fast(text)["input_ids"] == tok(text)["input_ids"] and fast.chat_template == tok.chat_template
 
 
 def test_greedy_output_is_readable_and_tie_free(model_dir):

@@ -1,8 +1,10 @@
 """`mlaserve serve`: flags, start time with the built-in model, and start-up refusals that say why."""
 
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -46,6 +48,16 @@ def test_builtin_model_starts_fast():
     server = shared_server()
     assert server.start_seconds < 30, f"start took {server.start_seconds:.1f} s"
     assert (Path(server.cache_dir) / "builtin-1" / "model.safetensors").is_file()
+
+
+def test_builtin_model_answers_at_several_tokens_per_second():
+    server = shared_server()
+    start = time.perf_counter()
+    r = httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=120, json={
+        "prompt": "How fast are you?", "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+    seconds = time.perf_counter() - start
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 32
+    assert 32 / seconds > 3, f"{32 / seconds:.1f} tokens/s"
 
 
 REFUSALS = [
