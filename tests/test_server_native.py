@@ -139,3 +139,27 @@ def test_profile_writes_a_trace_of_the_engine_thread(server, tmp_path):
     finally:
         os.remove(path)
     assert httpx.post(f"{server.url}/stop_profile", headers=server.headers).status_code == 400
+
+
+def test_duplicate_rid_is_refused_and_streams_report_errors_as_events(server):
+    """While request "dup" runs, another "dup" is a 400 (non-streaming) or, once a stream has begun
+    (status 200 sent), an error event followed by [DONE]; the first request is unharmed."""
+    long = {"text": "first of two", "rid": "dup", "stream": True,
+            "sampling_params": dict(GREEDY, max_new_tokens=60)}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{server.url}/generate", json=long, headers=server.headers) as first:
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            r = httpx.post(f"{server.url}/generate", headers=server.headers, timeout=60,
+                           json={"text": "second", "rid": "dup", "sampling_params": GREEDY})
+            assert r.status_code == 400 and "already in use" in r.json()["error"]["message"]
+            events = []
+            with httpx.stream("POST", f"{server.url}/generate", headers=server.headers, timeout=60,
+                              json={"text": "third", "rid": "dup", "stream": True,
+                                    "sampling_params": GREEDY}) as third:
+                assert third.status_code == 200
+                events = [line for line in third.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and "already in use" in json.loads(events[0][6:])["error"]["message"]
+            last = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"][-1]
+    assert last["meta_info"]["completion_tokens"] == 60
+    assert wait_idle(server)["mlaserve_kv_pages_free"] == POOL_PAGES
