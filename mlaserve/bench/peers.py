@@ -235,8 +235,12 @@ def _prepare_sglang(shape: Shape, inputs) -> Prepared:
         raise Unsupported("SGLang's Triton kernel here is the dense decode one")
     if shape.kv != "bf16":
         raise Unsupported("SGLang's Triton decode reads bf16 KV (its FP8 KV is per-tensor scaled, not mlaserve's rows)")
-    mod = load_sglang_decode()
     di: DenseInputs = inputs
+    if di.kv[0].numel() >= 2 ** 31:
+        # seen on the H200: an illegal address at b128 s_k 32768 (2.4e9 elements), which also ends the process
+        raise Unsupported(f"SGLang's Triton decode indexes the KV buffer with 32-bit offsets; this one has "
+                          f"{di.kv[0].numel()} elements (>= 2^31)")
+    mod = load_sglang_decode()
     p = di.paging
     device = di.q[0].device
     b, s_q, h, d = di.q[0].shape

@@ -7,7 +7,11 @@ One cached token is 656 bytes:
     bytes 528 .. 655   k_pe, 64 values in bfloat16, unquantized
 
 Every kernel that reads FP8 KV dequantizes exactly this layout; the torch
-functions here are its definition.
+functions here are its definition. The value of a cached entry is the bfloat16 nearest
+fp8 * scale: kernels dequantize into bf16 registers for the tensor cores, and the
+reference computes on the same bf16 values, so the two differ only in summation order.
+(Power-of-two scales would make fp8 * scale exact in bf16, but they round a tile's
+largest value, and c_kv's outliers cost a tiny model 8x in log-prob error.)
 """
 
 import torch
@@ -41,11 +45,11 @@ def quantize(kv: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """packed uint8 [..., 656] -> [..., 576] in `dtype` (the values computed in float32)."""
+    """packed uint8 [..., 656] -> [..., 576] in `dtype`: the bf16 values of the entries, cast to `dtype`."""
     lead = packed.shape[:-1]
     flat = packed.reshape(-1, PACKED_BYTES)
     q = flat[:, :SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn).float().view(-1, NUM_TILES, TILE)
     scale = flat[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32)  # [n, 4]
     ckv = (q * scale[..., None]).view(-1, KV_LORA_RANK)
     kpe = flat[:, ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
-    return torch.cat([ckv, kpe], dim=-1).to(dtype).view(*lead, D_QK)
+    return torch.cat([ckv, kpe], dim=-1).to(torch.bfloat16).to(dtype).view(*lead, D_QK)

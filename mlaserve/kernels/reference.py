@@ -14,14 +14,6 @@ from mlaserve.kernels import fp8_format
 _SPARSE_CHUNK_ELEMS = 1 << 26
 
 
-def _as_float_rows(kv_cache: torch.Tensor) -> torch.Tensor:
-    """kv_cache [pages, page_size, d] or uint8 [pages, page_size, 656] -> float32 rows [pages * page_size, d]."""
-    rows = kv_cache.reshape(-1, kv_cache.shape[-1])
-    if rows.dtype == torch.uint8:
-        return fp8_format.dequantize(rows, torch.float32)
-    return rows.float()
-
-
 def _gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows of the cache at `slots` (int64 [n]) as float32 [n, d]; dequantizes FP8 rows only where read."""
     rows = kv_cache.reshape(-1, kv_cache.shape[-1])[slots]

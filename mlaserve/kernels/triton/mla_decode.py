@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import fp8_format
+from mlaserve.kernels.triton.common import fp8_kv_values
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 128
@@ -133,6 +134,8 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
     static buffer (CUDA graphs); without it the workspace is allocated here.
     """
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())   # so that "cuda" equals "cuda:0" below
     rows = s_q * h
     config = config or default_config(rows, kv_fp8)
     if num_splits is None:
@@ -193,7 +196,7 @@ def _load_nope_half(kv_ptr, row_off, in_seq, col0, COMPUTE: tl.constexpr, BLOCK_
             s_lo = tl.load(scale_ptr)
             s_hi = tl.load(scale_ptr + 1)
         scale = tl.where(offs_c[None, :] < 128, s_lo[:, None], s_hi[:, None])
-        tile = (vals.to(tl.float32) * scale).to(COMPUTE)
+        tile = fp8_kv_values(vals.to(tl.float32) * scale, COMPUTE)
     elif MASKED or 2 * HALF > HEAD_DIM_V:
         tile = tl.load(ptrs, mask=mask, other=0.0)
     else:

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import fp8_format
+from mlaserve.kernels.triton.common import fp8_kv_values
 
 _LOG2E = 1.4426950408889634
 # Byte offsets inside one FP8 row, as constants the kernel can fold.
@@ -137,7 +138,8 @@ def _load_kv_rows(kv_ptr, rows, valid, stride_kv, offs_v, offs_r,
         scale_ptr = (row_ptr + _FP8_SCALE_OFFSET).to(tl.pointer_type(tl.float32))
         scale = tl.load(scale_ptr[:, None] + tl.arange(0, NUM_TILES)[None, :], mask=valid[:, None], other=0.0)
         kv_v = tl.reshape(tl.reshape(ckv, [ckv.shape[0], NUM_TILES, TILE]) * scale[:, :, None],
-                          [ckv.shape[0], BLOCK_DV]).to(OUT_DTYPE)
+                          [ckv.shape[0], BLOCK_DV])
+        kv_v = fp8_kv_values(kv_v, OUT_DTYPE)
         pe_ptr = (row_ptr + _FP8_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16))
         kv_r = tl.load(pe_ptr[:, None] + offs_r[None, :], mask=mask_r, other=0.0).to(OUT_DTYPE)
     else:
