@@ -140,6 +140,10 @@ def sparse_candidates(shape: SparseShape, default: "sparse_mod.SparseMLAConfig")
         blocks += [{"block_h": 16}, {"block_h": 32, "num_warps": 4}]
     else:
         blocks += [{"block_h": 64, "block_n": 32, "num_warps": 4}]
+    if shape.h >= 128:
+        # all heads of a token in one program: each gathered row is loaded once, not once per 64 heads
+        blocks += [{"block_h": 128, "block_n": 32, "num_warps": 16, "num_stages": 2},
+                   {"block_h": 128, "block_n": 64, "num_warps": 16, "num_stages": 2}]
     same = lambda k: all(getattr(default, n) == v for n, v in k.items())  # noqa: E731
     return [{}] + [k for k in blocks if not same(k)]
 
