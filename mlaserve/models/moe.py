@@ -11,8 +11,8 @@ The experts run one of two ways, equal up to summation order:
 - a loop over the experts that received tokens (any batch; one host sync per layer for the counts);
 - every expert on every token, weighted by the routing (zero for unchosen experts), as two batched
   matmuls over the stacked weights: no host sync and few launches, so decode steps stay cheap on a
-  GPU (and capturable); used while tokens x experts <= `dense_max_pairs`, where the wasted FLOPs
-  (experts / top_k times the routed ones) cost less than a launch-bound loop.
+  GPU; used while tokens x experts <= `dense_max_pairs`, where the wasted FLOPs (experts / top_k
+  times the routed ones) cost less than a launch-bound loop, and always inside a CUDA-graph capture.
 After loading, `prepare_weights` stacks the experts' weights into gate_up [E, 2I, hidden] and
 down [E, hidden, I] and turns each expert's parameters into views of them (memory does not grow).
 """
@@ -99,7 +99,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)                                  # [T, k] each
-        if self.gate_up is not None and x.shape[0] * len(self.experts) <= self.dense_max_pairs:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()   # the loop's host sync can't be
+        if self.gate_up is not None and (capturing or x.shape[0] * len(self.experts) <= self.dense_max_pairs):
             out = self._dense(x, weights, ids)
         else:
             out = self._loop(x, weights, ids)
