@@ -3,7 +3,7 @@
 import importlib.util
 import json
 
-from tests.server_harness import API_KEY, REPO, shared_server
+from server_harness import API_KEY, REPO, shared_server
 
 
 def _script():

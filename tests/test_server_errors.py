@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from tests.server_harness import CONTEXT_LENGTH, shared_server
+from server_harness import CONTEXT_LENGTH, shared_server
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"

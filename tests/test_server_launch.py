@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mlaserve.server.args import ServerArgs, parse_args
-from tests.server_harness import REPO, launch_command, server_env, shared_server
+from server_harness import REPO, launch_command, server_env, shared_server
 
 SGLANG_FLAGS = ["--model-path", "--attention-backend", "--nsa-prefill-backend", "--nsa-decode-backend",
                 "--kv-cache-dtype", "--page-size", "--mem-fraction-static", "--max-running-requests",

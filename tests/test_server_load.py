@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_harness import CONTEXT_LENGTH, POOL_PAGES, shared_server, wait_idle
+from server_harness import CONTEXT_LENGTH, POOL_PAGES, shared_server, wait_idle
 
 
 @pytest.fixture(scope="module")

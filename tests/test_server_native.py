@@ -7,7 +7,7 @@ import os
 import httpx
 import pytest
 
-from tests.server_harness import PAGE_SIZE, POOL_PAGES, shared_server, wait_idle
+from server_harness import PAGE_SIZE, POOL_PAGES, shared_server, wait_idle
 
 
 @pytest.fixture(scope="module")

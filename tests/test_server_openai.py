@@ -5,7 +5,7 @@ import openai
 import pytest
 import torch
 
-from tests.server_harness import API_KEY, shared_server
+from server_harness import API_KEY, shared_server
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
