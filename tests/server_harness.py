@@ -87,6 +87,13 @@ def server_env(cache_dir: str) -> dict:
     return env
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM if the test process dies without running its atexit hooks."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_server(args: list[str], timeout: float = 120.0) -> Server:
     cache_dir = tempfile.mkdtemp(prefix="mlaserve-test-cache-")
     port = free_port()
@@ -94,7 +101,8 @@ def start_server(args: list[str], timeout: float = 120.0) -> Server:
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(launch_command([*args, "--host", "127.0.0.1", "--port", str(port)]),
-                                env=server_env(cache_dir), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                                env=server_env(cache_dir), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     server = Server(f"http://127.0.0.1:{port}", proc, 0.0, cache_dir, log_path)
     while True:
         if proc.poll() is not None:
