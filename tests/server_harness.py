@@ -24,7 +24,7 @@ import httpx
 API_KEY = "test-key-123"
 PAGE_SIZE = 2                      # tiny pages: decoding requests grow by pages, so the pool runs dry
 POOL_PAGES = 96                    # 192 tokens: a handful of requests at once
-CONTEXT_LENGTH = 128
+CONTEXT_LENGTH = 192                # = the pool: the longest request that fits
 SHARED_ARGS = ["--page-size", str(PAGE_SIZE), "--max-total-tokens", str(POOL_PAGES * PAGE_SIZE),
                "--context-length", str(CONTEXT_LENGTH), "--chunked-prefill-size", "128",
                "--api-key", API_KEY, "--log-level", "warning"]
