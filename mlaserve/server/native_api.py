@@ -164,7 +164,7 @@ async def start_profile(request: Request):
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     try:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
     except TypeError as e:
         raise APIError(f"this torch ({torch.__version__}) cannot profile the engine thread: {e}", status=500,
                        type="server_error") from None
