@@ -96,6 +96,7 @@ def test_matches_reference(b, s_q, h, page_size, lens, num_splits, dtype):
     MLADecodeConfig(block_h=16, block_n=16, num_warps=4),           # several tiles per page
     MLADecodeConfig(block_h=16, block_n=32, v_split=2, num_warps=4),  # two programs share a query block
     MLADecodeConfig(block_h=32, block_n=64, num_warps=4),           # a tile spans several pages
+    MLADecodeConfig(block_h=128, block_n=32, v_split=2),            # all rows in one block, padded
 ])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_configs(config, num_splits):

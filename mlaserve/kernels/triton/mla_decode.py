@@ -35,11 +35,11 @@ _MAX_SPLITS = 128
 @dataclass(frozen=True)
 class MLADecodeConfig:
     """Kernel knobs (all compile-time except min_split_tokens)."""
-    block_h: int = 64            # query rows (heads x new tokens) per program: 16, 32, 64 (128 with v_split=2)
+    block_h: int = 64            # query rows (heads x new tokens) per program: 16, 32, 64; 128 with v_split=2
     block_n: int = 64            # cached tokens per step
     v_split: int = 1             # programs per query block, each owning 1/v_split of V: 1 or 2
     num_warps: int = 8
-    num_stages: int = 2          # software-pipelined KV loads
+    num_stages: int = 2          # software pipelining: KV tiles in flight (wgmma: num_stages, mma.sync: - 1)
     min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
 
     def __post_init__(self):
@@ -53,21 +53,24 @@ class MLADecodeConfig:
             raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
 
 
-# Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind).
-# Rows up to 16/32 are memory-bound (small blocks, 4 warps); 64+ rows are matrix-bound and take
-# 64-row blocks for wgmma. The lead fills these from scripts/tune_mla_decode.py's H200 sweep.
+# Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind), chosen from
+# ptxas reports for sm_90a (no spills, two KV buffers in flight) until scripts/tune_mla_decode.py's H200
+# sweep replaces them. Up to 32 rows the kernel is memory-bound and Triton uses mma.sync; from 64 rows
+# it is matrix-bound and 64-row blocks take wgmma (whose 8 warps both compute S: Triton gives a dot
+# that feeds another dot all warps along M). 128-row blocks with v_split=2 give the two warpgroups
+# different rows instead, at the price of each half-V program computing QK.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
-    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
-    (32, "bf16"): MLADecodeConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
-    (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
-    (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
-    (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
-    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
-    (32, "fp8"): MLADecodeConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
-    (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
-    (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
-    (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3),
+    (32, "bf16"): MLADecodeConfig(block_h=32, block_n=32, v_split=1, num_warps=8, num_stages=3),
+    (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=32, v_split=1, num_warps=8, num_stages=3),
+    (32, "fp8"): MLADecodeConfig(block_h=32, block_n=32, v_split=1, num_warps=8, num_stages=3),
+    (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
 }
 
 
@@ -220,7 +223,22 @@ def _load_pe(kv_ptr, row_off, in_seq, COMPUTE: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, bt_row, start_n, seqlen, vis_len,
+def _tile_pages(bt_row, start_n, seqlen, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Block-table entries of the tile at start_n: one page id (BLOCK_N <= PAGE_SIZE) or int32 [BLOCK_N].
+
+    Reads only entries of the request's own pages (the rest of its row may hold anything): a tile
+    start past the request's end is clamped to its last token, rows past the end read page 0.
+    """
+    if BLOCK_N <= PAGE_SIZE:
+        pages = tl.load(bt_row + tl.maximum(tl.minimum(start_n, seqlen - 1), 0) // PAGE_SIZE)
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < seqlen, other=0)
+    return pages
+
+
+@triton.jit
+def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
                  stride_page, stride_tok, col_a, col_b, qk_scale,
                  COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -228,23 +246,16 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, bt_row, start_n
     """One online-softmax step over cached tokens start_n .. start_n + BLOCK_N (the shared inner loop).
 
     acc_a/acc_b fp32 [BLOCK_H, HALF]; m_i (log2 units)/l_i fp32 [BLOCK_H]; q_a/q_b [BLOCK_H, HALF];
-    q_pe [BLOCK_H, BLOCK_PE]; vis_len int32 [BLOCK_H]: keys each row may see (MASKED tiles only;
-    unmasked tiles lie wholly inside every row's visible range).
+    q_pe [BLOCK_H, BLOCK_PE]; page: the tile's page id(s) from `_tile_pages`; vis_len int32 [BLOCK_H]:
+    keys each row may see (MASKED tiles only; unmasked tiles lie wholly inside every row's visible range).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
     # -- rows of the paged cache --
     if BLOCK_N <= PAGE_SIZE:
-        # the tile lies in one page (start_n < seqlen, so its block-table entry is a real page): a scalar
-        # base plus constant offsets keeps the copy addresses out of registers
-        page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
-        row_off = page * stride_page + ((start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_tok
-    elif MASKED:
-        # block-table entries past the request's pages may hold anything: never use them
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=in_seq, other=0)
-        row_off = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_tok
+        # the tile lies in one page: a scalar base plus constant offsets keeps copy addresses out of registers
+        row_off = page.to(tl.int64) * stride_page + ((start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_tok
     else:
-        page = tl.load(bt_row + offs_n // PAGE_SIZE)
         row_off = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_tok
     kv_a = _load_nope_half(kv_ptr, row_off, in_seq, col_a, COMPUTE, BLOCK_N, HALF, HEAD_DIM_V, IS_FP8, MASKED)
     kv_b = _load_nope_half(kv_ptr, row_off, in_seq, col_b, COMPUTE, BLOCK_N, HALF, HEAD_DIM_V, IS_FP8, MASKED)
@@ -331,16 +342,24 @@ def _mla_decode_kernel(
     acc_a = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     bt_row = bt_ptr + pid_b.to(tl.int64) * stride_btb
+    # each step fetches the next tile's page ids, so that no KV address waits on a load of its own step
+    # (the pipeliner then streams KV tiles num_stages - 1 steps ahead instead of spending a stage on them)
+    page = _tile_pages(bt_row, start, seqlen, BLOCK_N, PAGE_SIZE)
     for start_n in tl.range(start, full_end, BLOCK_N, num_stages=NUM_STAGES):
+        next_page = _tile_pages(bt_row, start_n + BLOCK_N, seqlen, BLOCK_N, PAGE_SIZE)
         acc_a, acc_b, m_i, l_i = _attend_tile(
-            acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, bt_row, start_n, seqlen, vis_len,
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
             stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
             BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, False)
+        page = next_page
+    page = _tile_pages(bt_row, full_end, seqlen, BLOCK_N, PAGE_SIZE)
     for start_n in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
+        next_page = _tile_pages(bt_row, start_n + BLOCK_N, seqlen, BLOCK_N, PAGE_SIZE)
         acc_a, acc_b, m_i, l_i = _attend_tile(
-            acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, bt_row, start_n, seqlen, vis_len,
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
             stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
             BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, True)
+        page = next_page
 
     # -- epilogue: normalize; rows that saw no key get out = 0, lse = -inf --
     empty = l_i == 0.0
