@@ -113,6 +113,19 @@ def test_matches_reference(b, s_q, s_k, h, kv_kind, num_splits):
     _check(out, lse, q, kv, table, seqlens, rows)
 
 
+def test_more_requests_than_a_grid_axis_holds():
+    """70000 one-token rows (an EXTEND step run per token): b exceeds the 65535 of CUDA's 2nd/3rd grid axes."""
+    b, page_size = 70000, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seqlens = torch.randint(0, page_size + 1, (b,), device="cuda", generator=gen, dtype=torch.int32)
+    kv = torch.randn(b + 1, page_size, 576, device="cuda", generator=gen, dtype=torch.bfloat16)
+    table = (torch.randperm(b, device="cuda", generator=gen) + 1).to(torch.int32)[:, None]
+    q = torch.randn(b, 1, 16, 576, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, head_dim_v=512, backend="triton")
+    rows = [0, 1, 65535, 65536, b - 1] + torch.randint(0, b, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+    _check(out, lse, q, kv, table, seqlens, rows)
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 128])
 def test_page_sizes(page_size):
     lens = [3000, 77, 1]

@@ -87,6 +87,7 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the CPU interpreter: small, so that tests see splitting happen
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, device: torch.device,
                       config: MLADecodeConfig) -> int:
     """KV splits per request, from shapes only (CUDA-graph safe).
@@ -298,10 +299,15 @@ def _mla_decode_kernel(
     HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
     IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Grid (row blocks * V_SPLIT, b, num_splits). Writes out/lse directly with one split, else partials."""
-    pid_hv = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    """Grid (b * row blocks * V_SPLIT, num_splits). Writes out/lse directly with one split, else partials.
+
+    The programs of one request and split are adjacent, so that they read its KV tiles while the L2
+    still holds them; b rides on the first grid axis, which (unlike the others) allows 2^31 programs.
+    """
+    num_hv = tl.cdiv(ROWS, BLOCK_H) * V_SPLIT
+    pid_b = tl.program_id(0) // num_hv
+    pid_hv = tl.program_id(0) % num_hv
+    pid_s = tl.program_id(1)
     pid_h = pid_hv // V_SPLIT
     v_part = pid_hv % V_SPLIT
     # this program's V half is loaded as "a"; with V_SPLIT == 1 the program owns both halves
@@ -461,9 +467,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         raise ValueError(f"FP8 KV needs head_dim_v {fp8_format.KV_LORA_RANK}, got {head_dim_v}")
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)  # unused pointers when not split
-    grid = (triton.cdiv(s_q * h, cfg.block_h) * cfg.v_split, b, plan.num_splits)
+    grid = (b * triton.cdiv(s_q * h, cfg.block_h) * cfg.v_split, plan.num_splits)
     _mla_decode_kernel[grid](
-        q, kv_cache, block_table, cache_seqlens, out, lse, po, pl,
+        q, kv_cache, block_table, cache_seqlens.contiguous(), out, lse, po, pl,
         softmax_scale * _LOG2E, plan.num_splits, h, s_q, s_q * h,
         q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
