@@ -60,8 +60,9 @@ def candidates(rows: int, kv: str) -> list:
     else:
         c = [Config(64, 64, 1, 8, 2), Config(64, 32, 1, 8, 3), Config(64, 32, 1, 8, 4), Config(64, 64, 2, 8, 2),
              Config(32, 32, 1, 8, 3), Config(32, 64, 1, 8, 2), Config(32, 32, 2, 8, 2)]
+        c += [Config(64, 64, 1, 8, 2, lazy_rescale=True)]
         if rows >= 128:
-            c += [Config(128, 32, 2, 8, 2), Config(128, 16, 2, 8, 2)]
+            c += [Config(128, 32, 2, 8, 2), Config(128, 32, 2, 8, 2, lazy_rescale=True), Config(128, 16, 2, 8, 2)]
     if kv == "fp8":   # the FP8 path also stages the raw bytes: drop what no longer fits 227 KB of shared memory
         c = [x for x in c if not (x.block_n == 64 and x.num_stages >= 3 and x.block_h <= 32)]
     default = md.default_config(rows, kv == "fp8")
@@ -211,7 +212,7 @@ class ShapeRun:
 
 
 def fmt_config(c: Config) -> str:
-    return f"H{c.block_h} N{c.block_n} V{c.v_split} w{c.num_warps} st{c.num_stages}"
+    return f"H{c.block_h} N{c.block_n} V{c.v_split} w{c.num_warps} st{c.num_stages}" + (" lazy" if c.lazy_rescale else "")
 
 
 def print_row(row: dict) -> None:
@@ -336,8 +337,9 @@ def main(argv=None) -> int:
     for rows, kv, winner, _ in sorted(winners, key=lambda w: (w[1], w[0])):
         if winner is not None:
             c = winner
+            lazy = ", lazy_rescale=True" if c.lazy_rescale else ""
             print(f"    ({rows}, \"{kv}\"): MLADecodeConfig(block_h={c.block_h}, block_n={c.block_n}, "
-                  f"v_split={c.v_split}, num_warps={c.num_warps}, num_stages={c.num_stages}),")
+                  f"v_split={c.v_split}, num_warps={c.num_warps}, num_stages={c.num_stages}{lazy}),")
     print("}")
     print(f"wrote {args.out}")
     return 0

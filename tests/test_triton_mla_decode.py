@@ -97,6 +97,7 @@ def test_matches_reference(b, s_q, h, page_size, lens, num_splits, dtype):
     MLADecodeConfig(block_h=16, block_n=32, v_split=2, num_warps=4),  # two programs share a query block
     MLADecodeConfig(block_h=32, block_n=64, num_warps=4),           # a tile spans several pages
     MLADecodeConfig(block_h=128, block_n=32, v_split=2),            # all rows in one block, padded
+    MLADecodeConfig(block_h=16, block_n=16, num_warps=4, lazy_rescale=True),
 ])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_configs(config, num_splits):
@@ -104,6 +105,22 @@ def test_configs(config, num_splits):
     kv, table, seqlens = make_paged([150, 41], 32, 80, torch.float16, gen)
     q = torch.randn(2, 2, 3, 80, generator=gen).to(torch.float16)
     check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=num_splits, config=config)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_lazy_rescale_with_growing_scores(num_splits):
+    """Scores that grow by ~100 (log2 units) along the sequence: P in fp16 overflows unless the lazy path
+    rescales whenever a row's max grows by more than 2^8, and it skips the smaller steps."""
+    gen = torch.Generator().manual_seed(41 + num_splits)
+    kv, table, seqlens = make_paged([300, 45], 16, 80, torch.float16, gen)
+    pos = torch.zeros(kv.shape[0], kv.shape[1])
+    for i, n in enumerate(seqlens.tolist()):       # token position of every owned slot
+        for t in range(n):
+            pos[table[i, t // 16], t % 16] = t / 300
+    kv = (kv.float() * (1 + 15 * pos[..., None])).to(torch.float16)
+    q = torch.randn(2, 2, 3, 80, generator=gen).to(torch.float16)
+    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, lazy_rescale=True)
+    check_against_reference(q, kv, table, seqlens, 0.5, 64, num_splits=num_splits, config=cfg)
 
 
 @pytest.mark.parametrize("d_qk,d_v", [(64, 64), (72, 48)])

@@ -6,9 +6,16 @@ the c_kv part. One program owns BLOCK_H query rows of one request — heads and 
 packed together as the M dimension of the dots (64 rows map to one Hopper wgmma) — and one
 KV split of that request. It streams BLOCK_N cached tokens per step, loads each tile once
 and uses it for both QK (nope part as two column halves, plus the rope part) and PV (the
-halves are V), with an online softmax in exp2. A second kernel combines the splits
-through their lse. With `v_split=2` two programs share a query block, each accumulating one
-half of V (both compute the full QK): half the accumulator registers, twice the QK work.
+halves are V), with an online softmax in exp2. Each step fetches the next tile's page ids,
+so the pipeliner streams KV tiles `num_stages` deep. Tiles every query row sees whole skip
+all masking; only the last one or two tiles of a request are masked (causal, length). FP8
+rows are dequantized in registers (e4m3 x the row's per-128-column scale, as bf16 values).
+A second kernel combines the splits through their lse.
+
+Knobs (`MLADecodeConfig`): `v_split=2` gives two programs one query block, each accumulating
+one half of V (both compute the full QK): half the accumulator registers, twice the QK work.
+`lazy_rescale` rescales the [BLOCK_H, d_v] accumulators only when a row's running max grows
+by more than 2^8 (P then stays <= 256), instead of on every step.
 
 The split count comes from shapes only (`choose_num_splits`), never from cache_seqlens on
 the host; each program derives its token range from its request's length on the device,
@@ -41,6 +48,7 @@ class MLADecodeConfig:
     num_warps: int = 8
     num_stages: int = 2          # software pipelining: KV tiles in flight (wgmma: num_stages, mma.sync: - 1)
     min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
+    lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -243,7 +251,8 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, 
                  stride_page, stride_tok, col_a, col_b, qk_scale,
                  COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr):
+                 DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr,
+                 LAZY_RESCALE: tl.constexpr):
     """One online-softmax step over cached tokens start_n .. start_n + BLOCK_N (the shared inner loop).
 
     acc_a/acc_b fp32 [BLOCK_H, HALF]; m_i (log2 units)/l_i fp32 [BLOCK_H]; q_a/q_b [BLOCK_H, HALF];
@@ -270,20 +279,41 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, 
     if MASKED:
         s = tl.where(offs_n[None, :] < vis_len[:, None], s, float("-inf"))
     # -- online softmax --
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
-        # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so that it stays 0, not NaN
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_tile = tl.max(s, 1)
+    if LAZY_RESCALE:
+        # keep each row's running max until some row's grows by more than 2^8: exp2(s - m) stays <= 256,
+        # harmless in fp32 and bf16, and the [BLOCK_H, d_v] accumulators are rescaled only on the few
+        # steps that need it (-inf > -inf + 8 is false, so rows that saw nothing yet never ask for one)
+        if tl.max((m_tile > m_i + 8.0).to(tl.int32), 0) > 0:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            l_i = l_i * alpha
+            acc_a = acc_a * alpha[:, None]
+            if V_SPLIT == 1:
+                acc_b = acc_b * alpha[:, None]
+            m_i = m_new
+        p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        p = p.to(COMPUTE)
+        acc_a = tl.dot(p, kv_a, acc_a, input_precision=DOT_PRECISION)
+        if V_SPLIT == 1:
+            acc_b = tl.dot(p, kv_b, acc_b, input_precision=DOT_PRECISION)
+        m_new = m_i
     else:
-        m_base = m_new
-    alpha = tl.math.exp2(m_i - m_base)
-    p = tl.math.exp2(s - m_base[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    # -- compute pv --
-    p = p.to(COMPUTE)
-    acc_a = tl.dot(p, kv_a, acc_a * alpha[:, None], input_precision=DOT_PRECISION)
-    if V_SPLIT == 1:
-        acc_b = tl.dot(p, kv_b, acc_b * alpha[:, None], input_precision=DOT_PRECISION)
+        m_new = tl.maximum(m_i, m_tile)
+        if MASKED:
+            # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so that it stays 0, not NaN
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_base = m_new
+        alpha = tl.math.exp2(m_i - m_base)
+        p = tl.math.exp2(s - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- compute pv --
+        p = p.to(COMPUTE)
+        acc_a = tl.dot(p, kv_a, acc_a * alpha[:, None], input_precision=DOT_PRECISION)
+        if V_SPLIT == 1:
+            acc_b = tl.dot(p, kv_b, acc_b * alpha[:, None], input_precision=DOT_PRECISION)
     return acc_a, acc_b, m_new, l_i
 
 
@@ -297,7 +327,7 @@ def _mla_decode_kernel(
     CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     """Grid (b * row blocks * V_SPLIT, num_splits). Writes out/lse directly with one split, else partials.
 
@@ -356,7 +386,7 @@ def _mla_decode_kernel(
         acc_a, acc_b, m_i, l_i = _attend_tile(
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
             stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
-            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, False)
+            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, False, LAZY_RESCALE)
         page = next_page
     page = _tile_pages(bt_row, full_end, seqlen, BLOCK_N, PAGE_SIZE)
     for start_n in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
@@ -364,7 +394,7 @@ def _mla_decode_kernel(
         acc_a, acc_b, m_i, l_i = _attend_tile(
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
             stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
-            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, True)
+            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, True, LAZY_RESCALE)
         page = next_page
 
     # -- epilogue: normalize; rows that saw no key get out = 0, lse = -inf --
@@ -477,7 +507,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         CAUSAL=causal, COMPUTE=_TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, HALF=block_v // 2,
         BLOCK_PE=max(16, triton.next_power_of_2(dim_pe)) if dim_pe else 16, HEAD_DIM_V=head_dim_v, DIM_PE=dim_pe,
-        V_SPLIT=cfg.v_split, IS_FP8=kv_fp8, IS_SPLIT=split, NUM_STAGES=cfg.num_stages,
+        V_SPLIT=cfg.v_split, IS_FP8=kv_fp8, IS_SPLIT=split, NUM_STAGES=cfg.num_stages, LAZY_RESCALE=cfg.lazy_rescale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
