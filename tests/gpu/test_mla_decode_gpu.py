@@ -173,3 +173,32 @@ def test_cuda_graph_replay_equals_eager(kv_kind):
     assert torch.equal(out_static, backend.mla(q2, kv, layout2, meta, SCALE, 512))
     _check(out_static.unsqueeze(1), None, q2.unsqueeze(1), kv, layout2.block_table, layout2.cache_seqlens,
            list(range(bs)))
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([3000, 0, 700], [2, 2, 2]),    # rows packed as s_q = 2
+                                                     ([500, 64], [5, 130])])          # one row per token
+def test_backend_extend_matches_torch_backend(prefix_lens, extend_lens):
+    from mlaserve.attention.torch_backend import TorchBackend, _ragged_mha
+    from mlaserve.attention.triton_backend import TritonBackend
+    config = BackendConfig(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                           kv_cache_dtype="auto", device=torch.device("cuda"))
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    q, kv, table, _ = _case(lens, 64, 1, 16, "bf16", seed=sum(lens))
+    tables = [[p for p in row.tolist() if p != POISON_PAGE] for row in table.cpu()]
+    layout = BatchLayout.build(prefix_lens, extend_lens, tables, 64, "cuda")
+    backend = TritonBackend(config)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(layout.num_tokens, 16, 576, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = backend.mla(q, kv, layout, backend.plan(layout), SCALE, 512)
+    ref_backend = TorchBackend(config, extend_form="absorbed")
+    ref = ref_backend.mla(q, kv, layout, ref_backend.plan(layout), SCALE, 512)
+    err = (out.float() - ref.float()).abs()
+    assert float(err.max()) < 2e-2 and float(err.mean()) < 1e-3, (float(err.max()), float(err.mean()))
+    # the MHA form through scaled_dot_product_attention (DeepSeek's 192/128 head dims)
+    n_ctx = sum(layout.seq_lens)
+    qm = torch.randn(layout.num_tokens, 16, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
+    km = torch.randn(n_ctx, 16, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
+    vm = torch.randn(n_ctx, 16, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    got = backend.mha(qm, km, vm, layout, None, SCALE)
+    want = _ragged_mha(qm, km, vm, layout, SCALE)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
