@@ -165,8 +165,11 @@ class TritonBackend(AttentionBackend):
         if g.workspace is None:
             # sized once, before any capture, for every batch size: captured graphs keep pointing at it
             g.page_size = layout.page_size
-            need = max(self._decode.workspace_numel(n, self.config.num_heads, self.config.kv_lora_rank,
-                                                    self._plan_kernel(n, 1, g.max_pages, g.page_size).num_splits)
+            d, h = self._decode, self.config.num_heads
+            config = d.default_config(h, self.config.kv_cache_dtype == "fp8_e4m3")
+            device = torch.device(self.config.device)
+            need = max(d.workspace_numel(n, h, self.config.kv_lora_rank,
+                                         d.choose_num_splits(n, 1, h, g.max_pages, g.page_size, device, config))
                        for n in range(1, g.max_batch_size + 1))
             g.workspace = torch.empty(max(need, 1), dtype=torch.float32, device=self.config.device)
         self._copy_into(g, layout)
