@@ -59,10 +59,16 @@ class IndexerConfig:
 
 
 # Measured best configs on the H200 keyed by ("decode"|"prefill", H_I); filled from scripts/tune_sparse.py.
-TUNED: dict[tuple[str, int], dict] = {}
+TUNED: dict[tuple[str, int], dict] = {
+    ("decode", 64): {"block_n": 256, "block_t": 1, "num_warps": 8, "num_stages": 3},
+    ("prefill", 64): {"block_n": 64, "block_t": 4, "num_warps": 4, "num_stages": 3},
+}
 # The faster top-k selection, keyed the same way: {"select": "torch"} or {"select": "triton", "block": ...,
 # "num_warps": ...} (knobs of radix_select_slots); unmeasured keys use torch.topk.
-TUNED_SELECT: dict[tuple[str, int], dict] = {}
+TUNED_SELECT: dict[tuple[str, int], dict] = {
+    ("decode", 64): {"select": "triton", "block": 4096, "num_warps": 8},
+    ("prefill", 64): {"select": "torch"},
+}
 
 # Programs per SM that the grid aims for when it chooses key ranges and token groups.
 _WAVES = 4

@@ -70,12 +70,12 @@ class MLADecodeConfig:
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3),
-    (32, "bf16"): MLADecodeConfig(block_h=32, block_n=32, v_split=1, num_warps=8, num_stages=3),
+    (32, "bf16"): MLADecodeConfig(block_h=32, block_n=64, v_split=1, num_warps=8, num_stages=3),
     (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=32, v_split=1, num_warps=8, num_stages=3),
-    (32, "fp8"): MLADecodeConfig(block_h=32, block_n=32, v_split=1, num_warps=8, num_stages=3),
+    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (32, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),

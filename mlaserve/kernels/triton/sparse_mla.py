@@ -61,9 +61,16 @@ class SparseMLAConfig:
             raise ValueError(f"num_stages and num_splits must be >= 1, got {self.num_stages}, {self.num_splits}")
 
 
-# Measured best configs on the H200, keyed by (kv kind, "prefill"|"decode", h); filled from
+# Measured best configs on the H200 (2026-11-30, bench/results/tune-sparse-h200-2026-11-30.json), keyed by (kv kind, "prefill"|"decode", h); filled from
 # scripts/tune_sparse.py. Missing keys fall back to the rules in `default_config`.
-TUNED: dict[tuple[str, str, int], dict] = {}
+TUNED: dict[tuple[str, str, int], dict] = {
+    ("bf16", "prefill", 128): {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    ("bf16", "prefill", 64): {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    ("bf16", "decode", 128): {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    ("bf16", "decode", 64): {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
+    ("fp8", "decode", 128): {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    ("fp8", "decode", 64): {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 4},
+}
 
 # A token count at or above this is "prefill" for the TUNED lookup.
 _PREFILL_TOKENS = 1024
