@@ -84,9 +84,9 @@ if has_phase install; then
   else
     say "== install-flashinfer: .peers/flashinfer not carried (run scripts/pack_for_device.sh, carry .peers)"
   fi
-  if ls .whl/*.whl >/dev/null 2>&1; then
+  if ls .peers/wheels/*.whl >/dev/null 2>&1; then
     run_phase install-wheels "$(limit 120)" "$LOG" python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      --no-cache-dir --upgrade --target /tmp/site .peers/wheels/*.whl
   fi
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
   if [ -d /tmp/site/flashinfer ] && has_phase bench; then

@@ -47,6 +47,18 @@ print(f"sglang: {wheel} holds {member}")
 EOF
 fi
 
+# the server's packages, which the device image lacks (its GPU tests start `mlaserve serve`)
+server_wheels=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic-core==2.46.4
+               annotated-types==0.7.0 typing-inspection==0.4.2)
+if ls .peers/wheels/uvicorn-*.whl >/dev/null 2>&1; then
+  echo "server wheels: already packed"
+else
+  mkdir -p .peers/wheels
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform any --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .peers/wheels "${server_wheels[@]}"
+fi
+
 commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then commit="$commit-dirty"; fi
 echo "$commit" > .peers/GIT_COMMIT
