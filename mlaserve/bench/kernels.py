@@ -58,6 +58,8 @@ def parse_args(argv):
     p.add_argument("--torch-max-ms", type=float, default=50,
                    help="time the torch reference only where one call is estimated under this (default 50)")
     p.add_argument("--no-limits", action="store_true", help="skip measuring copy bandwidth and matmul rate")
+    p.add_argument("--eager", action="store_true",
+                   help="time eager calls (host launch cost included) instead of CUDA-graph replays")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-tqdm", action="store_true")
     return p.parse_args(argv)
@@ -234,13 +236,20 @@ class Bench:
             want = ref if prepared.reference is None else prepared.reference(subset)
             chk = runners.check(shape, runners.take_subset(shape, result, subset), want)
             del result
-            t_us = bench_limits.time_us(prepared.calls, self.device, self.args.warmup_ms, self.args.rep_ms)
+            timed, timing = prepared.calls, "eager"
+            if self.device.type == "cuda" and name != "torch" and not self.args.eager:
+                replays = bench_limits.capture_graphs(prepared.calls)
+                if replays is not None:
+                    timed, timing = replays, "cuda-graph"
+            t_us = bench_limits.time_us(timed, self.device, self.args.warmup_ms, self.args.rep_ms)
             nbytes, flops = _counts(shape, inputs, prepared.kv_row_bytes)
             row.update(status="ok" if chk["ok"] else "invalid", reason=chk.get("reason", ""), time_us=t_us,
                        bytes=nbytes, flops=flops, check=chk, rotation_sets=len(prepared.calls), note=prepared.note,
-                       extra={})
+                       timing=timing, extra={})
             for what, calls in prepared.extra_calls.items():
                 try:
+                    if timing == "cuda-graph":
+                        calls = bench_limits.capture_graphs(calls) or calls   # time parts the way the whole was
                     row["extra"][f"{what}_us"] = bench_limits.time_us(calls, self.device, self.args.warmup_ms,
                                                                       self.args.rep_ms)
                 except Exception as e:
@@ -282,11 +291,14 @@ def _row_line(r: dict, limits: dict) -> str:
     err = r["check"].get("rel_err", r["check"].get("recall"))
     err = "n/a" if err is None else f"{err:.3g}"
     extra = "".join(f" {k}={v:.1f}" if isinstance(v, float) else f" {k}: {v}" for k, v in r.get("extra", {}).items())
-    return f"{head} {r['time_us']:.1f} us {rates} {r['status']} (check {err}){extra} {r.get('reason', '')}"
+    return (f"{head} {r['time_us']:.1f} us [{r.get('timing', 'eager')}] {rates} {r['status']} (check {err}){extra} "
+            f"{r.get('reason', '')}")
 
 
 NOTES = [
-    "time: median of triton.testing.do_bench (L2 cleared before each call), rotating among input sets "
+    "time: median of triton.testing.do_bench over CUDA-graph replays of each backend's call (row 'timing'; "
+    "eager calls with --eager or where a call cannot be captured, and always for torch) "
+    "(L2 cleared before each call), rotating among input sets "
     "(several when one set is under 512 MiB); CPU: wall-clock median",
     "validation: one call per backend and shape against the torch reference (fp32 accumulation) on a subset that "
     "is a problem of its own: 8 requests (dense, indexer: their last <= 64 query rows) or 64 query tokens (sparse); "

@@ -53,6 +53,31 @@ def time_us(fns: list[Callable[[], object]], device: torch.device, warmup_ms: fl
     return 1e6 * statistics.median(times)
 
 
+def capture_graphs(fns: list[Callable[[], object]]) -> list[Callable[[], object]] | None:
+    """Each call captured in its own CUDA graph, as replays; None when a call cannot be captured.
+
+    Timing replays takes the host's launch cost out of the numbers, as a server that captures its
+    decode step sees it (METHOD.md: many small launches are timed through graph replay). Calls must
+    be warm (compiled, planned) before this.
+    """
+    replays = []
+    side = torch.cuda.Stream()
+    for fn in fns:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()                                   # allocations of the call come from the side stream first
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception:   # a host sync or an uncapturable op: the caller times the calls eagerly instead
+            torch.cuda.synchronize()
+            return None
+        replays.append(graph.replay)
+    return replays
+
+
 def measure(device: torch.device, rep_ms: float = 100) -> Limits:
     """Copy bandwidth and bf16 matmul rate of `device`; on a CPU nothing is measured (and the note says so)."""
     if device.type != "cuda":
