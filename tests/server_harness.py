@@ -82,7 +82,9 @@ def launch_command(args: list[str]) -> list[str]:
 
 
 def server_env(cache_dir: str) -> dict:
-    env = dict(os.environ, MLASERVE_CACHE=cache_dir, PYTHONPATH=str(REPO))
+    # the repo first; keep what the caller had on the path (the device installs the server's packages there)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, MLASERVE_CACHE=cache_dir, PYTHONPATH=path)
     env.pop("TRITON_INTERPRET", None)
     return env
 

@@ -118,7 +118,9 @@ def default_config(tokens: int, h: int, topk: int, kv_fp8: bool, head_dim_v: int
         if kv_fp8 and block_h == 32:
             block_h = 16   # 32 rows of mma.sync plus the dequantized tile spill registers (ptxas, sm_90a)
         wide = head_dim_v >= 256
-        cfg = SparseMLAConfig(block_h=block_h, block_n=64 if wide else 32, num_warps=8 if wide else 4,
+        # float32 tiles of 64 x 576 rows, double-buffered, exceed the 227 KB of shared memory
+        block_n = 64 if wide and q_dtype.itemsize == 2 else 32
+        cfg = SparseMLAConfig(block_h=block_h, block_n=block_n, num_warps=8 if wide else 4,
                               num_stages=2, num_splits=1)
     programs = tokens * triton.cdiv(h, cfg.block_h)
     splits = choose_num_splits(programs, triton.cdiv(topk, cfg.block_n), _num_sms(device))
