@@ -49,7 +49,7 @@ fi
 
 # the server's packages, which the device image lacks (its GPU tests start `mlaserve serve`)
 server_wheels=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic-core==2.46.4
-               annotated-types==0.7.0 typing-inspection==0.4.2)
+               annotated-types==0.7.0 typing-inspection==0.4.2 opentelemetry-api==1.45.2)
 if ls .peers/wheels/uvicorn-*.whl >/dev/null 2>&1; then
   echo "server wheels: already packed"
 else
