@@ -76,3 +76,4 @@ def test_batch_layout_extend_and_decode():
     assert decode.slot_mapping.tolist() == [31, 19]
     with pytest.raises(ValueError, match="request 0: prefix 4, extend 1 and 1 pages of 4 do not fit"):
         BatchLayout.build([4], [1], [[7]], 4, "cpu")
+

@@ -11,24 +11,26 @@ import torch
 
 from mlaserve.attention.base import AttentionBackend, BackendConfig
 
-# name -> (module, class). Each class may define `unavailable_reason(config) -> str | None`.
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("mlaserve.attention.torch_backend", "TorchBackend"),
-    "triton": ("mlaserve.attention.triton_backend", "TritonBackend"),
-    "flashinfer": ("mlaserve.attention.flashinfer_backend", "FlashInferBackend"),
+# name -> (module, class, has DSA kernels). Each class may define `unavailable_reason(config) -> str | None`.
+# Only backends with DSA kernels (indexer + sparse MLA) are choices for --nsa-*-backend.
+_BACKENDS: dict[str, tuple[str, str, bool]] = {
+    "torch": ("mlaserve.attention.torch_backend", "TorchBackend", True),
+    "triton": ("mlaserve.attention.triton_backend", "TritonBackend", True),
+    "flashinfer": ("mlaserve.attention.flashinfer_backend", "FlashInferBackend", False),
 }
 
 
-def register(name: str, module: str, cls: str) -> None:
-    _BACKENDS[name] = (module, cls)
+def register(name: str, module: str, cls: str, dsa: bool = False) -> None:
+    _BACKENDS[name] = (module, cls, dsa)
 
 
-def names() -> list[str]:
-    return sorted(_BACKENDS) + ["auto"]
+def names(dsa: bool = False) -> list[str]:
+    """Backend names for the flags ("auto" last); with dsa=True only those with DSA kernels."""
+    return sorted(n for n, (_, _, has_dsa) in _BACKENDS.items() if has_dsa or not dsa) + ["auto"]
 
 
 def _load(name: str):
-    module, cls = _BACKENDS[name]
+    module, cls, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), cls)
 
 
@@ -52,8 +54,12 @@ def available(config: BackendConfig) -> list[str]:
 _AUTO_ORDER = ("triton", "torch")
 
 
-def create(name: str, config: BackendConfig, **kwargs) -> AttentionBackend:
-    """Build backend `name` for `config`; "auto" picks the first capable one of _AUTO_ORDER."""
+def create(name: str, config: BackendConfig, dsa: bool = False, **kwargs) -> AttentionBackend:
+    """Build backend `name` for `config` (dsa=True: for DSA layers); "auto" picks the first capable one
+    of _AUTO_ORDER."""
+    if dsa and name not in names(dsa=True):
+        raise ValueError(f"attention backend {name!r} has no DSA (indexer + sparse MLA) kernels; "
+                         f"for --nsa-*-backend choose from {names(dsa=True)}")
     if name == "auto":
         for candidate in _AUTO_ORDER:
             # on the CPU triton runs through its interpreter, which is for tests: never the fastest

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaserve.attention import registry
 from mlaserve.engine.kv_pool import KV_CACHE_DTYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,10 +55,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        # the DSA backends default to the attention backend when it has DSA kernels, else to auto
+        dsa_default = self.attention_backend if self.attention_backend in registry.names(dsa=True) else "auto"
         if self.nsa_prefill_backend is None:
-            self.nsa_prefill_backend = self.attention_backend
+            self.nsa_prefill_backend = dsa_default
         if self.nsa_decode_backend is None:
-            self.nsa_decode_backend = self.attention_backend
+            self.nsa_decode_backend = dsa_default
         _positive_int("page_size", self.page_size)
         _positive_int("max_running_requests", self.max_running_requests)
         if not (isinstance(self.mem_fraction_static, (int, float)) and 0 < self.mem_fraction_static <= 1):

@@ -36,8 +36,8 @@ class ModelRunner:
         self.dense = registry.create(attention_backend, backend_config)
         self.sparse_prefill = self.sparse_decode = None
         if model.config.is_dsa:
-            self.sparse_prefill = registry.create(nsa_prefill_backend, backend_config)
-            self.sparse_decode = registry.create(nsa_decode_backend, backend_config)
+            self.sparse_prefill = registry.create(nsa_prefill_backend, backend_config, dsa=True)
+            self.sparse_decode = registry.create(nsa_decode_backend, backend_config, dsa=True)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:

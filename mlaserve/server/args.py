@@ -85,10 +85,12 @@ def make_parser(prog: str = "mlaserve serve") -> argparse.ArgumentParser:
     a = p.add_argument_group("attention and KV cache")
     a.add_argument("--attention-backend", default=d.attention_backend, choices=backends,
                    help="dense MLA backend")
-    a.add_argument("--nsa-prefill-backend", default=d.nsa_prefill_backend, choices=backends,
-                   help="DSA sparse backend for prefill; default: the attention backend")
-    a.add_argument("--nsa-decode-backend", default=d.nsa_decode_backend, choices=backends,
-                   help="DSA sparse backend for decode; default: the attention backend")
+    dsa_backends = registry.names(dsa=True)
+    a.add_argument("--nsa-prefill-backend", default=d.nsa_prefill_backend, choices=dsa_backends,
+                   help="DSA backend (indexer + sparse MLA) for prefill; default: the attention backend "
+                        "when it has DSA kernels, else auto")
+    a.add_argument("--nsa-decode-backend", default=d.nsa_decode_backend, choices=dsa_backends,
+                   help="DSA backend (indexer + sparse MLA) for decode; default: as for prefill")
     a.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES))
     a.add_argument("--page-size", type=_positive(int), default=d.page_size, help="tokens per KV page")
     a.add_argument("--mem-fraction-static", type=_positive(float), default=d.mem_fraction_static,
