@@ -13,7 +13,7 @@ s_k 8192, plus small batches at s_k 32768 where the KV is split). For each candi
 and prints one line per (shape, config). Split-KV shapes also try other split counts around the
 heuristic's. The JSON (GPU, versions, limits, every row, the best config per group) is rewritten after
 every group, so a run cut short keeps what it measured. The last lines printed are the group winners
-and a DEFAULT_CONFIGS table to paste into mlaserve/kernels/triton/mla_decode.py.
+and a DEFAULT_CONFIGS table to paste into mlaserve/kernels/triton/mla_decode_plan.py.
 """
 
 import argparse

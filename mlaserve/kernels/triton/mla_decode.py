@@ -23,10 +23,7 @@ so a call can be captured in a CUDA graph. `plan_mla_decode` does the host work 
 step (config, split count, workspace); `mla_decode(..., plan=...)` only launches.
 """
 
-import functools
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,144 +31,15 @@ import triton.language as tl
 
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton.common import fp8_kv_values
+from mlaserve.kernels.triton.mla_decode_plan import (  # noqa: F401  (re-exported: the planning API)
+    DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, default_config, plan_mla_decode,
+    workspace_numel)
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 128
-
-
-@dataclass(frozen=True)
-class MLADecodeConfig:
-    """Kernel knobs (all compile-time except min_split_tokens)."""
-    block_h: int = 64            # query rows (heads x new tokens) per program: 16, 32, 64; 128 with v_split=2
-    block_n: int = 64            # cached tokens per step
-    v_split: int = 1             # programs per query block, each owning 1/v_split of V: 1 or 2
-    num_warps: int = 8
-    num_stages: int = 2          # software pipelining: KV tiles in flight (wgmma: num_stages, mma.sync: - 1)
-    min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
-    lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
-
-    def __post_init__(self):
-        for name in ("block_h", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        if self.v_split not in (1, 2):
-            raise ValueError(f"v_split must be 1 or 2, got {self.v_split}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.min_split_tokens < 1:
-            raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
-
-
-# Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind), chosen from
-# ptxas reports for sm_90a (no spills, two KV buffers in flight) until scripts/tune_mla_decode.py's H200
-# sweep replaces them. Up to 32 rows the kernel is memory-bound and Triton uses mma.sync; from 64 rows
-# it is matrix-bound and 64-row blocks take wgmma (whose 8 warps both compute S: Triton gives a dot
-# that feeds another dot all warps along M). 128-row blocks with v_split=2 give the two warpgroups
-# different rows instead, at the price of each half-V program computing QK.
-_ROW_BUCKETS = (16, 32, 64, 128, 256)
-DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
-    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3),
-    (32, "bf16"): MLADecodeConfig(block_h=32, block_n=64, v_split=1, num_warps=8, num_stages=3),
-    (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (32, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-}
-
-
-def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
-    """The table's config for `rows` = s_q * h query rows per request."""
-    bucket = next((r for r in _ROW_BUCKETS if rows <= r), _ROW_BUCKETS[-1])
-    return DEFAULT_CONFIGS[(bucket, "fp8" if kv_fp8 else "bf16")]
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the CPU interpreter: small, so that tests see splitting happen
-
-
-@functools.lru_cache(maxsize=4096)
-def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, device: torch.device,
-                      config: MLADecodeConfig) -> int:
-    """KV splits per request, from shapes only (CUDA-graph safe).
-
-    Enough programs to fill the SMs when the batch alone does not, but every split streams
-    at least `config.min_split_tokens` of the block table's capacity, so that pipeline warm-up
-    and the partial outputs the combine reads stay small against the KV. Among the counts
-    that fill the machine about as well as the best one, the smallest wins (wave efficiency,
-    as flash-attention's heuristic).
-    """
-    programs = b * triton.cdiv(s_q * h, config.block_h) * config.v_split
-    sms = _num_sms(device)
-    if programs == 0 or programs >= 0.8 * sms:
-        return 1
-    cap = max(1, min(_MAX_SPLITS, (max_pages * page_size) // config.min_split_tokens))
-
-    def efficiency(n):
-        waves = programs * n / sms
-        return waves / math.ceil(waves)
-
-    best = max(efficiency(n) for n in range(1, cap + 1))
-    return next(n for n in range(1, cap + 1) if efficiency(n) >= 0.85 * best)
-
-
-@dataclass
-class MLADecodePlan:
-    """What one `mla_decode` launch needs besides its inputs; built on the host by `plan_mla_decode`."""
-    config: MLADecodeConfig
-    num_splits: int
-    max_batch: int                       # the batch sizes this plan serves: 0 < b <= max_batch
-    rows: int                            # s_q * h
-    head_dim_v: int
-    partial_out: torch.Tensor | None     # on device, fp32 [max_batch, num_splits, rows, head_dim_v]; None if 1 split
-    partial_lse: torch.Tensor | None     # on device, fp32 [max_batch, num_splits, rows]
-
-
-def workspace_numel(b: int, rows: int, head_dim_v: int, num_splits: int) -> int:
-    """float32 elements of the split workspace (0 with one split)."""
-    return 0 if num_splits == 1 else b * num_splits * rows * (head_dim_v + 1)
-
-
-def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,
-                    device: torch.device | str, num_splits: int | None = None, config: MLADecodeConfig | None = None,
-                    workspace: torch.Tensor | None = None) -> MLADecodePlan:
-    """Host work for a decode step: config, split count and the split workspace.
-
-    `workspace` (fp32, flat, at least `workspace_numel` elements) lets several plans share one
-    static buffer (CUDA graphs); without it the workspace is allocated here.
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())   # so that "cuda" equals "cuda:0" below
-    rows = s_q * h
-    config = config or default_config(rows, kv_fp8)
-    if num_splits is None:
-        num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
-    if not 1 <= num_splits <= 4 * _MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {4 * _MAX_SPLITS}], got {num_splits}")
-    partial_out = partial_lse = None
-    need = workspace_numel(b, rows, head_dim_v, num_splits)
-    if need:
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=device)
-        elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != device:
-            raise ValueError(f"workspace must be float32 on {device} with >= {need} elements, got "
-                             f"{workspace.dtype} on {workspace.device} with {workspace.numel()}")
-        n_out = b * num_splits * rows * head_dim_v
-        partial_out = workspace[:n_out].view(b, num_splits, rows, head_dim_v)
-        partial_lse = workspace[n_out:need].view(b, num_splits, rows)
-    return MLADecodePlan(config, num_splits, b, rows, head_dim_v, partial_out, partial_lse)
 
 
 # ----------------------------------------------------------------------------------------------
 # kernels
-
-
 @triton.jit
 def _tile_mask(in_seq, offs_c, LIMIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """[BLOCK_N, C] load mask: rows in the sequence (if ROWS) and columns below LIMIT (if COLS)."""
