@@ -33,9 +33,8 @@ class MLADecodeConfig:
             raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
 
 
-# Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind), chosen from
-# ptxas reports for sm_90a (no spills, two KV buffers in flight) until scripts/tune_mla_decode.py's H200
-# sweep replaces them. Up to 32 rows the kernel is memory-bound and Triton uses mma.sync; from 64 rows
+# Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind): the winners of
+# scripts/tune_mla_decode.py's H200 sweep (bench/results/tune-mla-decode-h200-2026-11-30.json). Up to 32 rows the kernel is memory-bound and Triton uses mma.sync; from 64 rows
 # it is matrix-bound and 64-row blocks take wgmma (whose 8 warps both compute S: Triton gives a dot
 # that feeds another dot all warps along M). 128-row blocks with v_split=2 give the two warpgroups
 # different rows instead, at the price of each half-V program computing QK.
