@@ -57,10 +57,16 @@ def candidates(rows: int, kv: str) -> list:
              Config(64, 64, 1, 8, 2), Config(64, 32, 1, 8, 3)]
         if bh == 16:
             c += [Config(32, 32, 1, 8, 3)]
+        else:
+            # two 16-row programs per request, adjacent in the grid: the second read of each KV tile
+            # should come from L2, and 16-row tiles ran at 95% of copy bandwidth at h 16
+            c += [Config(16, 64, 1, 8, 3), Config(16, 64, 1, 8, 2), Config(16, 32, 1, 8, 3)]
     else:
         c = [Config(64, 64, 1, 8, 2), Config(64, 32, 1, 8, 3), Config(64, 32, 1, 8, 4), Config(64, 64, 2, 8, 2),
              Config(32, 32, 1, 8, 3), Config(32, 64, 1, 8, 2), Config(32, 32, 2, 8, 2)]
         c += [Config(64, 64, 1, 8, 2, lazy_rescale=True)]
+        if rows <= 64:
+            c += [Config(16, 64, 1, 8, 3), Config(16, 64, 1, 8, 2)]   # as for 32 rows: KV re-read from L2
         if rows >= 128:
             c += [Config(128, 32, 2, 8, 2), Config(128, 32, 2, 8, 2, lazy_rescale=True), Config(128, 16, 2, 8, 2)]
     if kv == "fp8":   # the FP8 path also stages the raw bytes: drop what no longer fits 227 KB of shared memory
