@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from mlaserve.attention import registry
-from mlaserve.attention.base import BackendConfig
+from mlaserve.attention.auto_backend import AutoBackend
+from mlaserve.attention.base import AttentionBackend, BackendConfig
+from mlaserve.attention.batch import BatchLayout
 from mlaserve.engine.config import EngineConfig
 
 
@@ -19,3 +21,52 @@ def test_dsa_backends_are_the_ones_with_dsa_kernels():
     assert (cfg.nsa_prefill_backend, cfg.nsa_decode_backend) == ("auto", "auto")
     cfg = EngineConfig(model_path="unused", attention_backend="torch")
     assert (cfg.nsa_prefill_backend, cfg.nsa_decode_backend) == ("torch", "torch")
+
+
+class _Fake(AttentionBackend):
+    """Records which backend ran a step, so the choice is visible."""
+
+    def __init__(self, config, name):
+        super().__init__(config)
+        self.name = name
+
+    def plan(self, layout):
+        return f"{self.name}-plan"
+
+    def mla(self, q, kv_cache, layout, meta, softmax_scale, head_dim_v):
+        return (self.name, meta)
+
+    def sparse_mla(self, q, kv_cache, indices, layout, meta, softmax_scale, head_dim_v):
+        return (self.name, meta)
+
+
+def _cfg(heads):
+    return BackendConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                         kv_cache_dtype="auto", device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("heads,extend,want", [
+    (16, [1, 1], "triton"),        # 16 rows: level with FlashInfer, the primary keeps it
+    (32, [1, 1], "flashinfer"),    # 32+ rows in DECODE: FlashInfer measured faster
+    (128, [1], "flashinfer"),
+    (128, [5, 3], "triton"),       # EXTEND steps stay with the primary
+])
+def test_auto_chooses_per_step(heads, extend, want):
+    cfg = _cfg(heads)
+    auto = AutoBackend(cfg, _Fake(cfg, "triton"), _Fake(cfg, "flashinfer"))
+    layout = BatchLayout.build([4] * len(extend), extend, [[1, 2]] * len(extend), 64, "cpu")
+    meta = auto.plan(layout)
+    assert auto.mla(None, None, layout, meta, 0.1, 512) == (want, f"{want}-plan")
+
+
+def test_auto_without_peer_and_for_dsa():
+    cfg = _cfg(128)
+    primary = _Fake(cfg, "triton")
+    auto = AutoBackend(cfg, primary)
+    layout = BatchLayout.build([4], [1], [[1]], 64, "cpu")
+    assert auto.sparse_mla(None, None, None, layout, auto.plan(layout), 0.1, 512) == ("triton", "triton-plan")
+    with_peer = AutoBackend(cfg, primary, _Fake(cfg, "flashinfer"))
+    with pytest.raises(RuntimeError, match="auto chose 'flashinfer' for this step, which has no DSA kernels"):
+        with_peer.sparse_mla(None, None, None, layout, with_peer.plan(layout), 0.1, 512)
+    # what the registry builds for DSA layers has no peer
+    assert registry.create("auto", _cfg(128), dsa=True).decode_peer is None

@@ -50,8 +50,26 @@ def available(config: BackendConfig) -> list[str]:
     return [n for n in sorted(_BACKENDS) if unavailable_reason(n, config) is None]
 
 
-# "auto" prefers these, in order, when nothing measured says otherwise.
+# "auto"'s primary backend: the first of these that runs here (AutoBackend says when a peer is used).
 _AUTO_ORDER = ("triton", "torch")
+
+
+def _create_auto(config: BackendConfig, dsa: bool, **kwargs) -> AttentionBackend:
+    from mlaserve.attention.auto_backend import AutoBackend
+    primary = None
+    for candidate in _AUTO_ORDER:
+        # on the CPU triton runs through its interpreter, which is for tests: never the fastest
+        if candidate == "triton" and torch.device(config.device).type == "cpu":
+            continue
+        if unavailable_reason(candidate, config) is None:
+            primary = _load(candidate)(config, **kwargs)
+            break
+    if primary is None:
+        raise ValueError(f"no attention backend can run here; tried {list(_AUTO_ORDER)}")
+    peer = None
+    if not dsa and primary.name == "triton" and unavailable_reason("flashinfer", config) is None:
+        peer = _load("flashinfer")(config)
+    return AutoBackend(config, primary, peer)
 
 
 def create(name: str, config: BackendConfig, dsa: bool = False, **kwargs) -> AttentionBackend:
@@ -61,13 +79,7 @@ def create(name: str, config: BackendConfig, dsa: bool = False, **kwargs) -> Att
         raise ValueError(f"attention backend {name!r} has no DSA (indexer + sparse MLA) kernels; "
                          f"for --nsa-*-backend choose from {names(dsa=True)}")
     if name == "auto":
-        for candidate in _AUTO_ORDER:
-            # on the CPU triton runs through its interpreter, which is for tests: never the fastest
-            if candidate == "triton" and torch.device(config.device).type == "cpu":
-                continue
-            if candidate in _BACKENDS and unavailable_reason(candidate, config) is None:
-                return _load(candidate)(config, **kwargs)
-        raise ValueError(f"no attention backend can run here; tried {list(_AUTO_ORDER)}")
+        return _create_auto(config, dsa, **kwargs)
     reason = unavailable_reason(name, config)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run here: {reason}. "
