@@ -19,7 +19,7 @@ def test_auto_takes_flashinfer_for_decode_and_matches_triton(tmp_path):
     if reason is not None:
         pytest.skip(f"FlashInfer cannot run here: {reason}")
     path = build_checkpoint(str(tmp_path / "m"), "v3", seed=4, vocab_size=VOCAB, num_attention_heads=32,
-                            kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
+                            num_key_value_heads=32, kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
     write_byte_tokenizer(path)
     prompts = random_prompts([40, 9, 77], VOCAB, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=True)
