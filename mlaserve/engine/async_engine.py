@@ -133,6 +133,7 @@ class AsyncEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise RuntimeError(f"the engine thread did not stop within {timeout} s")
+        self.engine.shutdown()      # tensor-parallel workers, if any
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:

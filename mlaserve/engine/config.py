@@ -22,6 +22,8 @@ class EngineConfig:
     chunked_prefill_size: most prompt tokens per EXTEND step; None or -1 = no chunking.
     context_length: longest sequence (prompt + output); None = the model's max_position_embeddings.
     seed: seeds the generator of requests that bring no seed of their own.
+    tp_size: tensor-parallel ranks (engine/tp.py): this process is rank 0, the others are spawned
+        worker processes; on CUDA rank r runs on cuda:r (so device must be "cuda" or "cuda:0").
     """
     model_path: str | None = None
     tokenizer_path: str | None = None
@@ -39,6 +41,7 @@ class EngineConfig:
     context_length: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    tp_size: int = 1
 
     def __post_init__(self):
         if self.device is None:
@@ -75,6 +78,15 @@ class EngineConfig:
             _positive_int("chunked_prefill_size", self.chunked_prefill_size)
         if self.context_length is not None:
             _positive_int("context_length", self.context_length)
+        _positive_int("tp_size", self.tp_size)
+        if self.tp_size > 1 and device.type == "cuda":
+            if device.index not in (None, 0):
+                raise ValueError(f"with tp_size {self.tp_size} rank r runs on cuda:r; device must be 'cuda' or "
+                                 f"'cuda:0', got {self.device!r}")
+            if torch.cuda.device_count() < self.tp_size:
+                raise ValueError(f"tp_size {self.tp_size} needs {self.tp_size} GPUs; torch sees "
+                                 f"{torch.cuda.device_count()}")
+            self.device = "cuda:0"
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

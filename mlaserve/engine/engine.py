@@ -9,6 +9,8 @@
 Not thread-safe: one thread owns an Engine (AsyncEngine runs it in its own thread).
 """
 
+import weakref
+
 import torch
 
 from mlaserve.engine.config import EngineConfig
@@ -27,18 +29,41 @@ CPU_MAX_DEFAULT_PAGES = 1024
 
 class Engine:
     """`model` / `tokenizer`: pass objects to skip loading from `config.model_path` (tests, tools).
-    Without a tokenizer there is no text: new_text stays "" and stop strings are refused."""
+    Without a tokenizer there is no text: new_text stays "" and stop strings are refused.
+    With config.tp_size > 1 the worker ranks are spawned here (engine/tp.py) and stopped by
+    `shutdown()` (or when the Engine is collected, or at exit); the model must come from model_path."""
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        self.tp_workers = None
+        try:
+            self._setup(config, model, tokenizer)
+        except BaseException:
+            self.shutdown()      # no worker outlives a failed start
+            raise
+
+    def _setup(self, config: EngineConfig, model, tokenizer) -> None:
         self.config = config
         device = config.torch_device
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)     # kernels launch on the current device
+        if config.tp_size > 1 and model is not None:
+            raise ValueError(f"tp_size {config.tp_size} loads each rank's shard from model_path; "
+                             "a model object cannot be given")
         if model is None:
             if config.model_path is None:
                 raise ValueError("EngineConfig.model_path is required when no model object is given")
             from mlaserve.models import load_model, load_tokenizer
-            model = load_model(config.model_path, device=device, dtype=config.torch_dtype)
+            from mlaserve.models.config import ModelConfig
+            from mlaserve.models.parallel import SINGLE, check_divisible
+            parallel = SINGLE
+            if config.tp_size > 1:
+                # refuse indivisible shapes before any process is spawned
+                check_divisible(ModelConfig.from_pretrained(config.model_path), config.tp_size)
+                from mlaserve.engine.tp import TPWorkers
+                self.tp_workers = TPWorkers.start(config)
+                self._finalizer = weakref.finalize(self, self.tp_workers.shutdown)
+                parallel = self.tp_workers.parallel
+            model = load_model(config.model_path, device=device, dtype=config.torch_dtype, parallel=parallel)
             if tokenizer is None:
                 tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
         self.model = model
@@ -52,7 +77,9 @@ class Engine:
         self.kv_pool = KVPool(**spec, num_pages=num_pages, page_size=config.page_size, dtype=config.torch_dtype,
                               device=device, kv_cache_dtype=config.kv_cache_dtype)
         self.runner = ModelRunner(model, self.kv_pool, config.attention_backend, config.nsa_prefill_backend,
-                                  config.nsa_decode_backend, config.kv_cache_dtype, device)
+                                  config.nsa_decode_backend, config.kv_cache_dtype, device, self.tp_workers)
+        if self.tp_workers is not None:
+            self.tp_workers.init_kv(num_pages)
         self.kv = KVManager(self.kv_pool.allocator, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.chunked_prefill_size)
         self.sampler = Sampler(device, config.seed)
@@ -71,6 +98,11 @@ class Engine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (a no-op without them); the engine cannot step afterwards."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     def _default_num_pages(self, spec: dict) -> int:
         cfg = self.config

@@ -35,7 +35,8 @@ class CompletionOutput:
 class LLM:
     """`dtype`: "float32" | "bfloat16" | "float16" | "auto"; `device`: "cpu" | "cuda" (None: cuda if present).
     Other EngineConfig fields go through `engine_kwargs` (num_pages, chunked_prefill_size,
-    enable_prefix_caching, max_running_requests, context_length, nsa_prefill_backend, ...).
+    enable_prefix_caching, max_running_requests, context_length, nsa_prefill_backend, tp_size, ...).
+    With tp_size > 1 call `shutdown()` (or use `with LLM(...) as llm:`) to stop the worker processes.
     A backend that cannot run here raises ValueError now, with the registry's reason."""
 
     def __init__(self, model_path: str, device: str | None = None, dtype: str = "auto",
@@ -55,6 +56,16 @@ class LLM:
         llm.tokenizer = engine.tokenizer
         llm._ids = count()
         return llm
+
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel worker processes (if any); also done when the LLM is collected."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

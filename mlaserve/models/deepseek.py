@@ -19,17 +19,19 @@ from mlaserve.models.config import ModelConfig
 from mlaserve.models.layers import MLP, RMSNorm
 from mlaserve.models.mla import MLAttention
 from mlaserve.models.moe import MoE
+from mlaserve.models.parallel import SINGLE, ParallelConfig, check_divisible
 from mlaserve.models.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig):
         super().__init__()
-        self.self_attn = MLAttention(config, layer_id)
+        self.self_attn = MLAttention(config, layer_id, parallel)
         if config.mlp_layer_types[layer_id] == "sparse":
-            self.mlp = MoE(config)
+            self.mlp = MoE(config, parallel)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+            self.mlp = MLP(config.hidden_size, parallel.shard(config.intermediate_size, "intermediate_size"),
+                           bias=config.mlp_bias, reduce=parallel if parallel.tp_size > 1 else None)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -43,18 +45,22 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """`parallel`: this rank's tensor-parallel shard (models/parallel.py); the default is the whole model."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
+        check_divisible(config, parallel.tp_size)
         self.config = config
-        self.model = DeepseekModel(config)
+        self.parallel = parallel
+        self.model = DeepseekModel(config, parallel)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         with torch.device("cpu"):   # real tables even when the modules are built on the meta device
             self.rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
@@ -100,6 +106,6 @@ class DeepseekForCausalLM(nn.Module):
 
     def backend_config(self, kv_cache_dtype: str, device: torch.device | str) -> BackendConfig:
         cfg = self.config
-        return BackendConfig(num_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
+        return BackendConfig(num_heads=cfg.num_heads // self.parallel.tp_size, kv_lora_rank=cfg.kv_lora_rank,
                              qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=self.dtype, kv_cache_dtype=kv_cache_dtype,
                              device=torch.device(device), index_topk=cfg.index_topk if cfg.is_dsa else None)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from mlaserve.models.config import ModelConfig
 from mlaserve.models.deepseek import DeepseekForCausalLM
+from mlaserve.models.parallel import SINGLE, ParallelConfig, shard_tensor
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -37,14 +38,16 @@ def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32
-               ) -> DeepseekForCausalLM:
-    """The model of HF directory `path`, weights loaded, in eval mode, on `device` in `dtype`."""
+def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
+               parallel: ParallelConfig = SINGLE) -> DeepseekForCausalLM:
+    """The model of HF directory `path`, weights loaded, in eval mode, on `device` in `dtype`.
+
+    `parallel`: load only this tensor-parallel rank's shard (models/parallel.py)."""
     config = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config)
+        model = DeepseekForCausalLM(config, parallel)
     model.to(dtype)
     for name, module in model.named_modules():
         if name.endswith("mlp.gate") or name.endswith("indexer.weights_proj"):
@@ -148,6 +151,7 @@ def _load_weights(model: DeepseekForCausalLM, path: str, device: torch.device) -
                     tensor = _dequantize(f, files, name, tensor, config, device)
                 elif name in scales:
                     raise ValueError(f"tensor {name!r} has a {_SCALE_SUFFIX} but is {tensor.dtype}, not float8_e4m3fn")
+                tensor = shard_tensor(name, tensor, model.parallel)
                 target = targets[name]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint; "

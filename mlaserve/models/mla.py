@@ -11,6 +11,8 @@ Then one of three forms, all equal in exact arithmetic:
   kv_b_proj into per-head k_nope and v, then causal attention with d_qk = nope + rope;
 - sparse (DSA layers, prefill and decode alike): the absorbed form over the indexer's top-k slots.
 W_UK [h, nope, r] and W_UV [h, v, r] are views of kv_b_proj.weight, taken once after loading.
+Under tensor parallelism h is this rank's share of the heads (models/parallel.py): q and kv_b_proj
+hold those heads' rows, o_proj their columns, and o_proj's partial outputs are all-reduced.
 """
 
 import torch
@@ -20,14 +22,16 @@ from mlaserve.attention.batch import ForwardBatch, ForwardMode
 from mlaserve.models.config import ModelConfig
 from mlaserve.models.indexer import Indexer
 from mlaserve.models.layers import RMSNorm
+from mlaserve.models.parallel import SINGLE, ParallelConfig
 from mlaserve.models.rope import apply_rope
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: ParallelConfig = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = h = config.num_heads
+        self.parallel = parallel
+        self.num_heads = h = parallel.shard(config.num_heads, "num_attention_heads")
         self.nope = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -92,7 +96,8 @@ class MLAttention(nn.Module):
             o_lat = fb.dense.mla(self._absorb(q_nope, q_pe), fb.kv_cache.kv(self.layer_id), fb.layout,
                                  fb.dense_meta, self.softmax_scale, self.kv_lora_rank)
             o = self._unabsorb(o_lat)
-        return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim)), topk_indices
+        out = self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
+        return self.parallel.all_reduce(out), topk_indices
 
     def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """q_nope [T, h, nope], q_pe [T, h, rope] -> [T, h, r + rope]: q_lat = q_nope · W_UK, then q_pe."""

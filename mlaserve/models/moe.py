@@ -23,6 +23,7 @@ from torch import nn
 
 from mlaserve.models.config import ModelConfig
 from mlaserve.models.layers import MLP
+from mlaserve.models.parallel import SINGLE, ParallelConfig
 
 
 class Router(nn.Module):
@@ -72,18 +73,24 @@ DENSE_MAX_PAIRS = 8192
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts. x [T, hidden] -> [T, hidden]."""
+    """Routed experts plus shared experts. x [T, hidden] -> [T, hidden].
 
-    def __init__(self, config: ModelConfig):
+    Under tensor parallelism every expert (shared ones included) holds this rank's slice of its
+    intermediate dim; the router is replicated, and one all-reduce sums the partial outputs.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
+        self.parallel = parallel
+        inter = parallel.shard(config.moe_intermediate_size, "moe_intermediate_size")
         self.dense_max_pairs = DENSE_MAX_PAIRS
         self.gate_up: torch.Tensor | None = None   # [E, 2I, hidden], after prepare_weights
         self.down: torch.Tensor | None = None      # [E, hidden, I]
         self.gate = Router(config)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, inter)
                                      for _ in range(config.n_routed_experts))
         # V2's shared experts are its dense MLP class, with mlp_bias; routed experts never have biases
-        self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+        self.shared_experts = (MLP(config.hidden_size, inter * config.n_shared_experts,
                                    bias=config.mlp_bias) if config.n_shared_experts else None)
 
     def prepare_weights(self) -> None:
@@ -106,7 +113,7 @@ class MoE(nn.Module):
             out = self._loop(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.parallel.all_reduce(out)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token. x [T, hidden]; weights float32 / ids int64 [T, k] -> [T, hidden]."""

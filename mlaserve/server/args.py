@@ -34,6 +34,7 @@ class ServerArgs:
     context_length: int | None = None
     disable_radix_cache: bool = False
     random_seed: int = 0
+    tp_size: int = 1                       # tensor-parallel ranks (worker processes 1..N-1)
     reasoning_parser: str | None = None    # split <think>...</think> into reasoning_content (chat)
     tool_call_parser: str | None = None    # parse tool calls into OpenAI tool_calls (chat with tools)
     log_level: str = "info"
@@ -51,7 +52,7 @@ class ServerArgs:
             mem_fraction_static=self.mem_fraction_static, num_pages=num_pages,
             max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
             context_length=self.context_length, seed=self.random_seed,
-            enable_prefix_caching=not self.disable_radix_cache)
+            enable_prefix_caching=not self.disable_radix_cache, tp_size=self.tp_size)
 
 
 def _positive(kind):
@@ -82,6 +83,9 @@ def make_parser(prog: str = "mlaserve serve") -> argparse.ArgumentParser:
                    help="auto: bfloat16 on CUDA, float32 on the CPU")
     m.add_argument("--context-length", type=_positive(int), default=d.context_length,
                    help="longest prompt + output; default: the model's max_position_embeddings")
+    m.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=_positive(int),
+                   default=d.tp_size, help="tensor-parallel ranks: attention heads and MLP/expert intermediate "
+                   "dims split across them (NCCL on cuda:0..N-1, gloo processes on the CPU)")
     a = p.add_argument_group("attention and KV cache")
     a.add_argument("--attention-backend", default=d.attention_backend, choices=backends,
                    help="dense MLA backend")
