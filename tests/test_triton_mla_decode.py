@@ -80,6 +80,8 @@ CASES = [
     (2, 3, 3, 16, [1, 95], 4, torch.float32),          # request 0: fewer keys than new tokens
     (1, 4, 5, 32, [200], 5, torch.float16),
     (4, 1, 5, 16, [3, 17, 64, 1], 8, torch.float32),   # more splits than a short request has tiles
+    (2, 1, 3, 80, [150, 190], 1, torch.float32),        # pages that are no multiple of the tile: tiles straddle
+    (2, 2, 3, 96, [200, 40], 3, torch.float16),         # pages (read row by row, never past a page's end)
 ]
 
 

@@ -101,12 +101,13 @@ def _load_pe(kv_ptr, row_off, in_seq, COMPUTE: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _tile_pages(bt_row, start_n, seqlen, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Block-table entries of the tile at start_n: one page id (BLOCK_N <= PAGE_SIZE) or int32 [BLOCK_N].
+    """Block-table entries of the tile at start_n: one page id (tiles never straddle pages: PAGE_SIZE a
+    multiple of BLOCK_N; tiles start at multiples of BLOCK_N) or int32 [BLOCK_N].
 
     Reads only entries of the request's own pages (the rest of its row may hold anything): a tile
     start past the request's end is clamped to its last token, rows past the end read page 0.
     """
-    if BLOCK_N <= PAGE_SIZE:
+    if PAGE_SIZE % BLOCK_N == 0:
         pages = tl.load(bt_row + tl.maximum(tl.minimum(start_n, seqlen - 1), 0) // PAGE_SIZE)
     else:
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -130,7 +131,7 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
     # -- rows of the paged cache --
-    if BLOCK_N <= PAGE_SIZE:
+    if PAGE_SIZE % BLOCK_N == 0:
         # the tile lies in one page: a scalar base plus constant offsets keeps copy addresses out of registers
         row_off = page.to(tl.int64) * stride_page + ((start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_tok
     else:
