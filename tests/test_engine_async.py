@@ -104,6 +104,31 @@ def test_cancelled_stream_aborts_and_frees_pages(engine):
     assert engine.engine.kv.leaked_pages() == []
 
 
+def test_cancelled_before_the_engine_adds_it_never_runs(engine):
+    async def main():
+        start = engine.stats()["pages_free"]
+        busy = asyncio.create_task(collect(engine, "busy", list(range(1, 20)),
+                                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=60)))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
+        # queued while the engine thread is inside a step, cancelled before its next loop adds it
+        victim = engine.generate("victim", [1, 2, 3], SamplingParams(temperature=0, ignore_eos=True, max_tokens=200))
+        first = asyncio.ensure_future(victim.__anext__())
+        await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await victim.aclose()
+        await busy
+        s = await wait_idle(engine)
+        assert s["pages_free"] == start and s["open_streams"] == 0
+        return s
+
+    s = asyncio.run(main())
+    # only the busy request's tokens were generated: the victim never ran
+    assert s["tokens_generated"] == 60
+
+
 def test_validation_errors_raise_at_once(engine):
     async def main():
         with pytest.raises(ValueError, match="does not fit"):

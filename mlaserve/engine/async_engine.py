@@ -106,7 +106,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._streams.pop(request_id, None)
-            self._aborts.append(request_id)
+            queued = len(self._adds)
+            # a request still waiting to be added never reaches the engine; otherwise the engine aborts it
+            self._adds = [add for add in self._adds if add[0] != request_id]
+            if len(self._adds) == queued:
+                self._aborts.append(request_id)
             self._cond.notify()
 
     def stats(self) -> dict:
