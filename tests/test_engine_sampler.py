@@ -121,3 +121,13 @@ def test_sampling_params_normalize():
     assert p.stop_strings == ["###"] and p.logprobs == 0
     assert SamplingParams(logprobs=False).logprobs is None
     assert SamplingParams(temperature=0).greedy and not SamplingParams(top_k=0).top_k_enabled
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    # logits / 1e-39 overflow float32 to inf; the softmax of that is NaN and argmax of NaN was token 0
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(9))
+    for t in (1e-39, 1e-7):
+        assert SamplingParams(temperature=t).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+    rows = [SampleRow(SamplingParams(temperature=1e-39)) for _ in range(3)]
+    assert Sampler("cpu")(logits.clone(), rows).token_ids == logits.argmax(-1).tolist()

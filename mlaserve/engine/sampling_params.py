@@ -7,11 +7,13 @@ n engine requests.
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW = 1e-5   # temperatures under this sample as greedy
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature: 0 = greedy (argmax); > 0 divides the logits before top-k / top-p.
+    temperature: 0 (or below 1e-5) = greedy (argmax); larger divides the logits before top-k / top-p.
     top_p: nucleus mass in (0, 1]; 1 = off.   top_k: -1 or 0 = off.
     max_tokens: most tokens to generate (None: until EOS or the context length).
     min_tokens: EOS and stop_token_ids are banned until this many tokens exist.
@@ -88,7 +90,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # dividing float32 logits by a tinier temperature overflows to inf (softmax then gives NaN):
+        # such a temperature means argmax anyway (vLLM draws the same line)
+        return self.temperature < GREEDY_BELOW
 
     @property
     def top_k_enabled(self) -> bool:
