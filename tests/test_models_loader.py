@@ -300,3 +300,24 @@ def test_tied_word_embeddings_match_transformers():
     runner = PagedRunner(model, page_size=8)
     for prompt, logits in zip(prompts, runner.prefill([runner.add(p) for p in prompts])):
         assert rel_err(torch.log_softmax(logits, -1), hf_prompt_logprobs(hf, prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("arch,model_type", [("DeepseekV3ForCausalLM", "deepseek_v3"),
+                                             ("DeepseekV32ForCausalLM", "deepseek_v32"),
+                                             ("GlmMoeDsaForCausalLM", "glm_moe_dsa")])
+def test_missing_keys_take_transformers_defaults(arch, model_type):
+    """A config.json that leaves keys out means the same model to mlaserve as to transformers."""
+    from transformers import CONFIG_MAPPING
+    dims = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    ours = ModelConfig.from_dict({"architectures": [arch], **dims})
+    theirs = CONFIG_MAPPING[model_type](**dims)
+    for name in ("max_position_embeddings", "rms_norm_eps", "routed_scaling_factor", "norm_topk_prob",
+                 "n_shared_experts", "n_group", "topk_group", "n_routed_experts",
+                 "num_experts_per_tok", "index_topk", "index_n_heads"):
+        want = getattr(theirs, name, None)
+        if want is not None:
+            assert getattr(ours, name) == want, (name, getattr(ours, name), want)
+    # first_k_dense_replace (3 by default) decides which layers are dense
+    dense = [t == "dense" for t in ours.mlp_layer_types]
+    assert dense == [i < theirs.first_k_dense_replace for i in range(2)], ours.mlp_layer_types

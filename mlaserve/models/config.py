@@ -120,6 +120,7 @@ class ModelConfig:
             raise ValueError(f"unknown architecture {archs!r} (config.json \"architectures\"); "
                              f"mlaserve runs {list(ARCHITECTURES)}")
         arch = known[0]
+        hf = _with_transformers_defaults(hf, arch)
         is_v2 = arch == "DeepseekV2ForCausalLM"
         is_dsa = arch in DSA_ARCHITECTURES
         num_layers = _req(hf, "num_hidden_layers")
@@ -243,6 +244,24 @@ class ModelConfig:
             fp8_block_size=fp8_block,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
         )
+
+
+# Keys whose absence from config.json transformers fills with its config class's defaults; mlaserve
+# takes the same values so that a sparse config.json means the same model in both.
+_DEFAULTED_KEYS = ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "n_shared_experts",
+                   "max_position_embeddings", "rms_norm_eps", "index_n_heads", "index_topk", "index_head_dim",
+                   "first_k_dense_replace", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
+                   "topk_method")
+_MODEL_TYPES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+
+
+def _with_transformers_defaults(hf: dict, arch: str) -> dict:
+    """config.json with transformers' defaults for the _DEFAULTED_KEYS it leaves out."""
+    from transformers import CONFIG_MAPPING
+    defaults = CONFIG_MAPPING[_MODEL_TYPES[arch]]().to_dict()
+    filled = {k: defaults[k] for k in _DEFAULTED_KEYS if k not in hf and defaults.get(k) is not None}
+    return {**hf, **filled}
 
 
 def _req(hf: dict, key: str):
