@@ -128,7 +128,9 @@ if has_phase bench; then
       sparse) t=${T_SPARSE:-90} ;; indexer) t=${T_INDEXER:-45} ;; *) t=60 ;;
     esac
     lim=$(limit "$t")
-    flags=(--suite "$suite" --backends "${BENCH_BACKENDS:-all}" --out "$OUT" --disable-tqdm --time-budget $((lim - 35)))
+    # shapes may start until 35 s before the limit (the last one and the JSON need that); at least 5 s
+    budget=$((lim - 35)); if [ "$budget" -lt 5 ]; then budget=5; fi
+    flags=(--suite "$suite" --backends "${BENCH_BACKENDS:-all}" --out "$OUT" --disable-tqdm --time-budget "$budget")
     if [ $first = 0 ]; then flags+=(--no-limits); fi   # limits measured once, kept by the merge
     run_phase "bench-$suite" "$lim" "$OUT/bench.log" python3 -m mlaserve.cli bench kernels "${flags[@]}"
     first=0

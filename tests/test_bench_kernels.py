@@ -70,8 +70,8 @@ def test_dense_counts_match_the_brief_and_kernel_notes():
     s = DenseShape(128, 1, 4096, 16)
     total_k = 128 * 4096
     assert s.flops(total_k) == 2 * 128 * 1 * 16 * 4096 * (576 + 512)
-    q, kv, o, lse = 128 * 16 * 576 * 2, total_k * 576 * 2, 128 * 16 * 512 * 2, 128 * 16 * 4
-    assert s.bytes(total_k) == q + kv + o + lse
+    q, kv, o = 128 * 16 * 576 * 2, total_k * 576 * 2, 128 * 16 * 512 * 2
+    assert s.bytes(total_k) == q + kv + o          # DESIGN.md: Q + KV + O
     # KERNEL-NOTES: FlashInfer at b128 s_q1 h16 s_k 4k, 159 µs = 3.82 TB/s; h128, 297 µs = 491 TFLOP/s
     assert s.bytes(total_k) / 159e-6 / 1e12 == pytest.approx(3.82, abs=0.02)
     assert DenseShape(128, 1, 4096, 128).flops(total_k) / 297e-6 / 1e12 == pytest.approx(491, abs=2)
@@ -85,7 +85,7 @@ def test_sparse_and_indexer_counts():
     assert s.flops() == 2 * 4096 * 128 * 2048 * 1088
     assert s.flops() / 4349e-6 / 1e12 == pytest.approx(537, abs=2)       # KERNEL-NOTES' sparse peer figure
     t = 4096
-    assert s.bytes() == t * 128 * 576 * 2 + t * 2048 * 1152 + t * 128 * 512 * 2 + t * 128 * 4
+    assert s.bytes() == t * 128 * 576 * 2 + t * 2048 * 1152 + t * 128 * 512 * 2
     assert SparseShape("decode", 128, 2, 32768, 64, kv="fp8").bytes() - \
         SparseShape("decode", 128, 2, 32768, 64).bytes() == 256 * 2048 * (656 - 1152)
     i = IndexerShape("decode", 128, 1, 32768)

@@ -60,8 +60,8 @@ class DenseShape:
         """row_bytes: a cached token's bytes when a backend reads another layout than mlaserve's."""
         tokens = self.b * self.s_q
         row = kv_row_bytes(self.kv, self.d_qk) if row_bytes is None else row_bytes
-        return (tokens * self.h * self.d_qk * act_bytes + total_k * row
-                + tokens * self.h * self.d_v * act_bytes + tokens * self.h * 4)
+        # DESIGN.md: bytes = Q + KV read + O (the float32 lse, 1/256 of O, is left out)
+        return tokens * self.h * self.d_qk * act_bytes + total_k * row + tokens * self.h * self.d_v * act_bytes
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,7 @@ class SparseShape:
     def bytes(self, row_bytes: int | None = None, act_bytes: int = 2) -> float:
         t = self.tokens
         row = kv_row_bytes(self.kv, self.d_qk) if row_bytes is None else row_bytes
-        return (t * self.h * self.d_qk * act_bytes + t * self.topk * row
-                + t * self.h * self.d_v * act_bytes + t * self.h * 4)
+        return t * self.h * self.d_qk * act_bytes + t * self.topk * row + t * self.h * self.d_v * act_bytes
 
 
 @dataclass(frozen=True)

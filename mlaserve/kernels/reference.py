@@ -131,10 +131,3 @@ def indexer_topk(q, weights, k_cache, block_table, cache_seqlens, topk):
         result[i, :, :k] = chosen.masked_fill(top_scores == float("-inf"), -1)
     return result
 
-
-def quantize_kv_fp8(kv):
-    return fp8_format.quantize(kv)
-
-
-def dequantize_kv_fp8(packed):
-    return fp8_format.dequantize(packed)

@@ -94,8 +94,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     _check_kv_cache(kv_cache, d_qk, head_dim_v)
     if kv_cache.dtype != torch.uint8:
         _check(kv_cache.dtype == q.dtype, f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype}")
-    _check_paging(block_table, cache_seqlens, b, kv_cache.shape[0], kv_cache.shape[1])
     _check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens)
+    _check_paging(block_table, cache_seqlens, b, kv_cache.shape[0], kv_cache.shape[1])
     _check(isinstance(softmax_scale, (float, int)) and softmax_scale > 0,
            f"softmax_scale must be a positive number, got {softmax_scale!r}")
     fn = registry.resolve("mla_decode", backend, q.device)
@@ -152,9 +152,9 @@ def indexer_topk(q, weights, k_cache, block_table, cache_seqlens, topk, backend=
     _check(k_cache.shape[-1] == d, f"k_cache last dim {k_cache.shape[-1]} must equal q's D_I {d}")
     _check(k_cache.dtype == q.dtype, f"k_cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
     _check(isinstance(topk, int) and topk >= 1, f"topk must be a positive int, got {topk!r}")
-    _check_paging(block_table, cache_seqlens, b, k_cache.shape[0], k_cache.shape[1])
     _check_same_device(q=q, weights=weights, k_cache=k_cache, block_table=block_table,
                        cache_seqlens=cache_seqlens)
+    _check_paging(block_table, cache_seqlens, b, k_cache.shape[0], k_cache.shape[1])
     fn = registry.resolve("indexer_topk", backend, q.device)
     return fn(q, weights, k_cache, block_table, cache_seqlens, topk, **options)
 
