@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mlaserve.server.parsers import make_reasoning_parser, make_tool_call_parser
-from mlaserve.server.parsers.streaming import held_suffix_len
+from mlaserve.engine.detokenizer import held_suffix_len
 from mlaserve.server.parsers.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 

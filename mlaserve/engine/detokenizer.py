@@ -75,18 +75,8 @@ class IncrementalDetokenizer:
                 at, stop = min(hits)
                 self.text = self.text[:at]
                 return self._emit(len(self.text)), stop
-        safe = len(self.text) if final else len(self.text) - self._partial_stop_len()
+        safe = len(self.text) if final else len(self.text) - held_suffix_len(self.text, self.stop_strings)
         return self._emit(safe), None
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop_strings:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
 
     def _emit(self, upto: int) -> str:
         if upto <= self._emitted:
@@ -94,3 +84,18 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted:upto]
         self._emitted = upto
         return delta
+
+
+def held_suffix_len(text: str, markers) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`.
+
+    A streaming consumer holds that tail back: the next delta may complete the marker (a stop
+    string, `"...<thi"` + `"nk>"`), and text once emitted cannot be taken back.
+    """
+    best = 0
+    for marker in markers:
+        for n in range(min(len(text), len(marker) - 1), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best

@@ -17,7 +17,7 @@ newlines there: `<think>\n…\n</think>\n\n`); everything else is kept verbatim.
 
 from dataclasses import dataclass
 
-from mlaserve.server.parsers.streaming import held_suffix_len
+from mlaserve.engine.detokenizer import held_suffix_len
 
 THINK_START = "<think>"
 THINK_END = "</think>"

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlaserve.server.parsers.streaming import held_suffix_len
+from mlaserve.engine.detokenizer import held_suffix_len
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
