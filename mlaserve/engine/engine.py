@@ -94,7 +94,6 @@ class Engine:
 
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
-        self._arrivals = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -153,8 +152,7 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
-        req = Request(request_id, list(prompt_token_ids), params, self._arrivals, detok, generator)
-        self._arrivals += 1
+        req = Request(request_id, list(prompt_token_ids), params, detok, generator)
         self._requests[request_id] = req
         self.scheduler.add(req)
 

@@ -28,10 +28,6 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - 1 - len(self._free)
-
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 

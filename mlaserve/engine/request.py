@@ -46,12 +46,11 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: int, detokenizer: IncrementalDetokenizer | None, generator: torch.Generator | None):
+                 detokenizer: IncrementalDetokenizer | None, generator: torch.Generator | None):
         self.request_id = request_id
         self.prompt_len = len(prompt_token_ids)
         self.tokens: list[int] = list(prompt_token_ids)
         self.params = params
-        self.arrival = arrival                  # order of add_request, for FIFO admission
         self.detokenizer = detokenizer
         self.generator = generator              # only for requests with a seed
         self.status = RequestStatus.WAITING
@@ -59,7 +58,6 @@ class Request:
         self.pages: list[int] = []
         self.cache_nodes: list[int] = []        # prefix-cache node ids of its leading full pages
         self.num_cached_tokens: int | None = None   # set at first admission
-        self.num_preemptions = 0
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[float | None] | None = None
@@ -75,10 +73,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.prompt_len
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
 
     @property
     def num_pending(self) -> int:

@@ -147,6 +147,5 @@ class Scheduler:
         self.running.remove(r)
         self.kv.release(r)
         r.status = RequestStatus.WAITING
-        r.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(r)              # victims go newest first, so the oldest ends in front
