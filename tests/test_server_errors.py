@@ -28,6 +28,9 @@ def assert_error(resp, status: int, param=None, says: str = ""):
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert says.lower() in err["message"].lower(), err
     assert says.lower() in err["message"].lower(), err["message"]
     if param is not None:
         assert err["param"] == param, err
@@ -113,6 +116,9 @@ def test_generate_bad_inputs(server):
     assert_error(post(server, "/generate", {"text": "a", "sampling_params": {"temperature": -1}}), 400,
                  "sampling_params.temperature")
     assert_error(post(server, "/generate", {"text": ["a", "b"], "sampling_params": [{}]}), 400, "sampling_params")
+    assert_error(post(server, "/generate", {"text": ["a", "b"], "rid": "one"}), 400, "rid", "must be a list of 2 ids")
+    assert_error(post(server, "/generate", {"text": "a", "sampling_params": {"stop_token_ids": [-1]}}), 400,
+                 "stop_token_ids")
     assert_still_serving(server)
 
 

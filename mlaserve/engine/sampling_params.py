@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5   # temperatures under this sample as greedy
 
+
+class SamplingParamError(ValueError):
+    """A bad sampling parameter; `param` names it (the server reports it in the OpenAI error)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
@@ -45,7 +53,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(name, why):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            raise SamplingParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
 
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not self.temperature >= 0:

@@ -71,7 +71,7 @@ def build_params(job_name: str, **kwargs) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        raise APIError(f"{job_name}: {e}") from None
+        raise APIError(f"{job_name}: {e}", param=getattr(e, "param", None)) from None
 
 
 def validate_jobs(engine, jobs: list[Job]) -> None:

@@ -104,7 +104,10 @@ async def generate(request: Request):
     state = state_of(request)
     req: GenerateRequest = await parse_body(request, GenerateRequest)
     prompts, batch = _prompts(state, req)
-    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts) if req.rid else None
+    if isinstance(req.rid, str) and len(prompts) > 1:
+        raise APIError(f"rid must be a list of {len(prompts)} ids for {len(prompts)} prompts, got one string",
+                       param="rid")
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] if req.rid else None
     if rids is not None and len(rids) != len(prompts):
         raise APIError(f"rid has {len(rids)} entries for {len(prompts)} prompts", param="rid")
     base = new_id("gen")
