@@ -74,6 +74,25 @@ else None, torch.cuda.device_count(), 'devices')"
   grep -E "^== versions" -A1 "$LOG" | tail -1
 fi
 
+# -- CuTe DSL, in two calls on a warm machine (its library is larger than one call may carry) --
+#   run(command="PHASES=env,cutedsl1 bash scripts/device_run.sh", carry=[".cutedsl/part00", ".cutedsl/wheels"])
+#   run(command="PHASES=env,cutedsl2,... bash scripts/device_run.sh", carry=[".cutedsl/part01", ".peers"])
+# within 30 s of each other; later calls on that machine find it in /tmp/site and put it on the path.
+if has_phase cutedsl1; then
+  run_phase cutedsl-part0 "$(limit 120)" "$LOG" bash -c \
+    "mkdir -p /tmp/cutedsl && cp .cutedsl/part00 .cutedsl/wheels/*.whl /tmp/cutedsl/"
+fi
+if has_phase cutedsl2; then
+  run_phase cutedsl-unpack "$(limit 240)" "$LOG" bash -c \
+    "mkdir -p /tmp/site && cat /tmp/cutedsl/part00 .cutedsl/part01 | tar -xJf - -C /tmp/site && \
+     for w in /tmp/cutedsl/*.whl; do python3 -m zipfile -e \"\$w\" /tmp/site || exit 1; done"
+fi
+if [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]; then
+  # the package adds these through a .pth file, which --target installs do not read
+  export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
+  say "== cutedsl: on the path ($(python3 -c 'import cutlass, sys; sys.stdout.write(cutlass.__file__)' 2>&1 | tail -c 200))"
+fi
+
 # -- install: FlashInfer (pruned package + tvm-ffi wheel) and any carried wheels into /tmp/site --
 if has_phase install; then
   mkdir -p /tmp/site

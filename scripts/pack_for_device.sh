@@ -59,6 +59,22 @@ else
     -d .peers/wheels "${server_wheels[@]}"
 fi
 
+# CuTe DSL (issue 7), only when asked: CUTEDSL=1. Its compiler library is over one call's 64 MiB even
+# compressed, so it lives apart in .cutedsl/ (part00 + wheels travel in one call, part01 in the next, on a
+# warm machine: scripts/device_run.sh's phases cutedsl1 and cutedsl2 say how). About 4 minutes of xz here.
+if [ "${CUTEDSL:-0}" = 1 ]; then
+  if ls .cutedsl/part00 .cutedsl/part01 .cutedsl/wheels/*.whl >/dev/null 2>&1; then
+    echo "cutedsl: already packed"
+  else
+    cutedsl_tool=""
+    for cand in "$root/../shared/tools/pack-cutedsl-for-device.sh" /work/shared/tools/pack-cutedsl-for-device.sh; do
+      if [ -f "$cand" ]; then cutedsl_tool=$cand; break; fi
+    done
+    if [ -z "$cutedsl_tool" ]; then echo "cutedsl: pack-cutedsl-for-device.sh not found" >&2; exit 1; fi
+    bash "$cutedsl_tool" "$root/.cutedsl"
+  fi
+fi
+
 commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then commit="$commit-dirty"; fi
 echo "$commit" > .peers/GIT_COMMIT
