@@ -6,10 +6,14 @@ GPU memory, or a fixed budget on the CPU).
 """
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from mlaserve.engine.config import DTYPES, EngineConfig
 from mlaserve.engine.kv_pool import KV_CACHE_DTYPES
+
+
+# the engine's defaults are the server's: one place for each
+_ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 
 
 @dataclass
@@ -21,20 +25,20 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     device: str | None = None              # None: cuda when available, else cpu
-    dtype: str = "auto"
-    attention_backend: str = "auto"
+    dtype: str = _ENGINE["dtype"]
+    attention_backend: str = _ENGINE["attention_backend"]
     nsa_prefill_backend: str | None = None
     nsa_decode_backend: str | None = None
-    kv_cache_dtype: str = "auto"
-    page_size: int = 64
-    mem_fraction_static: float = 0.85
+    kv_cache_dtype: str = _ENGINE["kv_cache_dtype"]
+    page_size: int = _ENGINE["page_size"]
+    mem_fraction_static: float = _ENGINE["mem_fraction_static"]
     max_total_tokens: int | None = None
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192
+    max_running_requests: int = _ENGINE["max_running_requests"]
+    chunked_prefill_size: int = _ENGINE["chunked_prefill_size"]
     context_length: int | None = None
     disable_radix_cache: bool = False
-    random_seed: int = 0
-    tp_size: int = 1                       # tensor-parallel ranks (worker processes 1..N-1)
+    random_seed: int = _ENGINE["seed"]
+    tp_size: int = _ENGINE["tp_size"]      # tensor-parallel ranks (worker processes 1..N-1)
     reasoning_parser: str | None = None    # split <think>...</think> into reasoning_content (chat)
     tool_call_parser: str | None = None    # parse tool calls into OpenAI tool_calls (chat with tools)
     log_level: str = "info"

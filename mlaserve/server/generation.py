@@ -178,3 +178,10 @@ def sse_error(err: Exception) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def record_done(metrics, route: str, jobs: list[Job], choices: list[Choice], start: float) -> None:
+    """One finished request per job in the server's metrics (end-to-end latency from `start`)."""
+    e2e = time.perf_counter() - start
+    for job, c in zip(jobs, choices):
+        metrics.request_done(route, c.finish_reason, len(job.prompt_token_ids), len(c.token_ids), e2e)

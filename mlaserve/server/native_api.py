@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mlaserve.server.app import state_of
 from mlaserve.server.errors import APIError
 from mlaserve.server.generation import (SSE_DONE, Choice, ClientDisconnected, Job, build_params, collect, new_id,
-                                        run_jobs, sse, sse_error, validate_jobs)
+                                        record_done, run_jobs, sse, sse_error, validate_jobs)
 from mlaserve.server.logprobs import sglang_logprobs
 from mlaserve.server.openai_api import parse_body
 from mlaserve.server.protocol import GenerateRequest, GenerateSamplingParams
@@ -122,9 +122,7 @@ async def generate(request: Request):
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)
     results = [_result(state, req, job, c, start) for job, c in zip(jobs, choices)]
-    for job, c in zip(jobs, choices):
-        state.metrics.request_done("generate", c.finish_reason, len(job.prompt_token_ids), len(c.token_ids),
-                                   time.perf_counter() - start)
+    record_done(state.metrics, "generate", jobs, choices, start)
     return results if batch else results[0]
 
 
@@ -139,9 +137,7 @@ async def _stream(state, req: GenerateRequest, jobs: list[Job], batch: bool, sta
             if batch:
                 event["index"] = k
             yield sse(event)
-        for job, c in zip(jobs, choices):
-            state.metrics.request_done("generate", c.finish_reason, len(job.prompt_token_ids), len(c.token_ids),
-                                       time.perf_counter() - start)
+        record_done(state.metrics, "generate", jobs, choices, start)
     except Exception as e:
         yield sse_error(e)
     yield SSE_DONE

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from mlaserve.server.app import ServerState, state_of
 from mlaserve.server.errors import APIError, from_validation_error
-from mlaserve.server.generation import (SSE_DONE, Choice, ClientDisconnected, Job, build_params, collect,
-                                        new_id, run_jobs, sse, sse_error, validate_jobs)
+from mlaserve.server.generation import (SSE_DONE, Choice, ClientDisconnected, Job, build_params, collect, new_id,
+                                        record_done, run_jobs, sse, sse_error, validate_jobs)
 from mlaserve.server.logprobs import CompletionLogprobs, chat_logprobs_content
 from mlaserve.server.parsers.chat import ChatOutputParser
 from mlaserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,12 +60,6 @@ def _usage(prompts: list[list[int]], choices: list[Choice], n: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _record(state: ServerState, route: str, jobs: list[Job], choices: list[Choice], start: float) -> None:
-    e2e = time.perf_counter() - start
-    for job, c in zip(jobs, choices):
-        state.metrics.request_done(route, c.finish_reason, len(job.prompt_token_ids), len(c.token_ids), e2e)
-
-
 def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     """`prompt` as token-id lists: a string, strings, token ids, or lists of token ids."""
     if isinstance(prompt, str):
@@ -107,7 +101,7 @@ async def completions(request: Request):
         choices = await collect(request, state.engine, jobs)
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)
-    _record(state, "completions", jobs, choices, start)
+    record_done(state.metrics, "completions", jobs, choices, start)
     out = []
     for k, c in enumerate(choices):
         lp = None
@@ -156,7 +150,7 @@ async def chat_completions(request: Request):
         choices = await collect(request, state.engine, jobs)
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)
-    _record(state, "chat", jobs, choices, start)
+    record_done(state.metrics, "chat", jobs, choices, start)
     out = []
     for k, c in enumerate(choices):
         lp = None
@@ -232,7 +226,7 @@ def _stream(state: ServerState, route: str, jobs: list[Job], prompts: list[list[
                 c = chunks.chunk(k, out)
                 if c is not None:
                     yield sse({**c, **extra})
-            _record(state, route, jobs, choices, start)
+            record_done(state.metrics, route, jobs, choices, start)
             if include_usage:
                 yield sse({**chunks.head, "choices": [], "usage": _usage(prompts, choices, n)})
         except Exception as e:
