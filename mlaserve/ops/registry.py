@@ -40,11 +40,27 @@ def _triton_reason(device: torch.device) -> str | None:
     return f"runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1), got a {device.type} tensor"
 
 
-_REASONS = {"torch": _torch_reason, "triton": _triton_reason}
+def _cutedsl_reason(device: torch.device) -> str | None:
+    need = "a Hopper GPU (compute capability 9.x) and the `nvidia-cutlass-dsl` package"
+    # the device first: importing the DSL takes seconds, and a CPU caller needs no import to be told no
+    if device.type != "cuda":
+        return f"runs on CUDA tensors on {need}; got a {device.type} tensor"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"needs {need}; found a GPU of compute capability {major}.{minor}"
+    try:
+        importlib.import_module("cutlass")
+    except ImportError as e:
+        return f"the `nvidia-cutlass-dsl` package is not installed (pip install nvidia-cutlass-dsl): {e}"
+    return None
+
+
+_REASONS = {"torch": _torch_reason, "triton": _triton_reason, "cutedsl": _cutedsl_reason}
 
 BACKENDS: dict[str, KernelBackend] = {
     "torch": KernelBackend("torch", "mlaserve.kernels.reference", "the reference, fp32 accumulation"),
     "triton": KernelBackend("triton", "mlaserve.kernels.triton", "mlaserve's Triton kernels"),
+    "cutedsl": KernelBackend("cutedsl", "mlaserve.kernels.cutedsl", "mlaserve's CuTe DSL kernels (Hopper)"),
 }
 
 # backend=None takes the first of these that can run the op on the tensors' device.

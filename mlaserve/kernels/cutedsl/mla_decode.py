@@ -1,0 +1,187 @@
+"""Paged MLA decode for Hopper in CuTe DSL: host side (checks, planning, compile cache, launch).
+
+The kernel (mla_decode_kernel.py) gives each CTA 64 query rows — heads and new tokens packed as
+in the Triton kernel, row = token j * h + head — and one KV split of one request, with a TMA
+producer warpgroup and two consumer warpgroups that split every tile's QK and PV in halves (see
+its docstring for why). Splits are combined by the Triton `_combine_kernel` (Triton runs wherever
+this kernel does), so there is one combine in the repo.
+
+Planning is the Triton kernel's (`mla_decode_plan.py`): the split count from shapes only and the
+same workspace layout, with this kernel's 64-row tiles, so a step planned on the host launches
+without host work and can be captured in a CUDA graph. The module exposes the planning names the
+`triton` attention backend calls (`plan_mla_decode`, `default_config`, `choose_num_splits`,
+`workspace_numel`), so the `cutedsl_mla` backend reuses that backend's planning and graph code.
+
+Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576]
+with any s_q and h, KV in q's dtype [pages, 64, 576], head_dim_v 512. `nvidia-cutlass-dsl` is
+imported on the first launch only: checks and plans work without it.
+"""
+
+import functools
+import importlib
+import time
+
+import torch
+import triton
+
+from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
+from mlaserve.kernels.triton.mla_decode_plan import choose_num_splits as _choose_num_splits
+from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
+
+TILE_M = 64
+PAGE_SIZE = 64
+D_QK = 576
+HEAD_DIM_V = 512
+MAX_BATCH = 65535      # the batch rides on the grid's z axis
+_DTYPES = (torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+
+# What choose_num_splits needs to know of this kernel: 64-row tiles, one program per tile and split,
+# splits of at least 256 tokens (num_warps/num_stages are the Triton kernel's knobs, unused here).
+CONFIG = MLADecodeConfig(block_h=TILE_M, block_n=PAGE_SIZE, v_split=1, min_split_tokens=256)
+
+# seconds spent compiling each specialization, by compile key (dtype, causal, split)
+compile_seconds: dict[tuple, float] = {}
+_compiled: dict[tuple, object] = {}
+
+
+def check_supported(q_shape, q_dtype: torch.dtype, kv_shape, kv_dtype: torch.dtype, head_dim_v: int) -> None:
+    """Raise ValueError naming the values when this kernel cannot take these shapes/dtypes."""
+    if q_dtype not in _DTYPES:
+        raise ValueError(f"the cutedsl MLA decode takes bf16/fp16 q, got {q_dtype}")
+    if kv_dtype == torch.uint8:
+        raise ValueError("the cutedsl MLA decode has no FP8 KV path yet (uint8 [pages, page_size, 656]); "
+                         "use the triton backend for --kv-cache-dtype fp8_e4m3")
+    if kv_dtype != q_dtype:
+        raise ValueError(f"kv_cache dtype {kv_dtype} must match q dtype {q_dtype}")
+    if len(q_shape) != 4 or q_shape[3] != D_QK or head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"the cutedsl MLA decode needs q [b, s_q, h, {D_QK}] and head_dim_v {HEAD_DIM_V}, "
+                         f"got q shape {tuple(q_shape)} and head_dim_v {head_dim_v}")
+    if len(kv_shape) != 3 or kv_shape[1] != PAGE_SIZE or kv_shape[2] != D_QK:
+        raise ValueError(f"the cutedsl MLA decode needs kv_cache [pages, {PAGE_SIZE}, {D_QK}] (page size "
+                         f"{PAGE_SIZE}), got shape {tuple(kv_shape)}")
+    if q_shape[0] > MAX_BATCH:
+        raise ValueError(f"the cutedsl MLA decode takes at most {MAX_BATCH} requests, got {q_shape[0]}")
+
+
+def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
+    """The one config (the triton backend asks per row count and KV kind)."""
+    return CONFIG
+
+
+def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, device: torch.device,
+                      config: MLADecodeConfig = CONFIG) -> int:
+    """KV splits per request from shapes only (mla_decode_plan.choose_num_splits with 64-row tiles)."""
+    return _choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
+
+
+def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,
+                    device: torch.device | str, num_splits: int | None = None,
+                    config: MLADecodeConfig | None = None, workspace: torch.Tensor | None = None) -> MLADecodePlan:
+    """Host work for a decode step (split count, split workspace), as mla_decode_plan.plan_mla_decode.
+
+    `config` must be None or this kernel's CONFIG (the signature is the Triton planner's).
+    """
+    if page_size != PAGE_SIZE or head_dim_v != HEAD_DIM_V or kv_fp8:
+        raise ValueError(f"the cutedsl MLA decode plans page_size {PAGE_SIZE}, head_dim_v {HEAD_DIM_V}, bf16/fp16 "
+                         f"KV; got page_size {page_size}, head_dim_v {head_dim_v}, kv_fp8 {kv_fp8}")
+    if config is not None and config != CONFIG:
+        raise ValueError(f"the cutedsl MLA decode has one config {CONFIG}, got {config}")
+    return _plan_mla_decode(b, s_q, h, head_dim_v, max_pages, page_size, kv_fp8, device,
+                            num_splits=num_splits, config=CONFIG, workspace=workspace)
+
+
+def _kernel(dtype: torch.dtype, causal: bool, split: bool):
+    """The compiled kernel for one specialization (compiled on first use, then cached)."""
+    key = (dtype, causal, split)
+    fn = _compiled.get(key)
+    if fn is None:
+        cutlass = importlib.import_module("cutlass")
+        cute = importlib.import_module("cutlass.cute")
+        cuda = importlib.import_module("cuda.bindings.driver")
+        kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
+        # compile-time stand-ins: only the pointers' types and alignments matter
+        args = (*_pointers(dtype, (None,) * 8), *(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0),
+                cuda.CUstream(0))
+        elem = _cute_dtype(dtype)
+        t0 = time.perf_counter()
+        fn = cute.compile(kmod.MLADecodeSm90(elem, causal=causal, is_split=split), *args)
+        compile_seconds[key] = time.perf_counter() - t0
+        _compiled[key] = fn
+    return fn
+
+
+def _cute_dtype(dtype: torch.dtype):
+    cutlass = importlib.import_module("cutlass")
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def _pointers(dtype: torch.dtype, addresses) -> list:
+    """Global-memory pointers for the kernel's 8 tensor arguments (q, kv, block_table, seqlens, out, lse,
+    partial out, partial lse) from their addresses (None: a stand-in for compiling). q, kv and out are
+    16-byte aligned (TMA needs it; mla_decode checks q and kv), the rest 4-byte."""
+    cutlass = importlib.import_module("cutlass")
+    cute = importlib.import_module("cutlass.cute")
+    runtime = importlib.import_module("cutlass.cute.runtime")
+    elem = _cute_dtype(dtype)
+    kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16),
+             (cutlass.Float32, 4), (cutlass.Float32, 4), (cutlass.Float32, 4))
+    return [runtime.make_ptr(t, 1 << 20 if a is None else a, cute.AddressSpace.gmem, assumed_align=align)
+            for (t, align), a in zip(kinds, addresses)]
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=True, head_dim_v=512,
+               num_splits: int | None = None, plan: MLADecodePlan | None = None):
+    """Absorbed MLA over a paged latent cache (semantics of mlaserve.kernels.reference.mla_decode).
+
+    q [b, s_q, h, 576] bf16/fp16; kv_cache [pages, 64, 576] in q's dtype; block_table int32 [b, max_pages];
+    cache_seqlens int32 [b]. Returns out [b, s_q, h, 512] in q's dtype and lse float32 [b, s_q, h]
+    (natural log; -inf and out 0 for rows with no visible key). Without `plan`, one is made here.
+    """
+    check_supported(q.shape, q.dtype, kv_cache.shape, kv_cache.dtype, head_dim_v)
+    b, s_q, h, _ = q.shape
+    if plan is None:
+        plan = plan_mla_decode(b, s_q, h, head_dim_v, block_table.shape[1], kv_cache.shape[1], False, q.device,
+                               num_splits=num_splits)
+    elif b > plan.max_batch or plan.rows != s_q * h or plan.head_dim_v != head_dim_v or plan.config != CONFIG:
+        raise ValueError(f"plan for <= {plan.max_batch} requests x {plan.rows} rows, head_dim_v {plan.head_dim_v} "
+                         f"(config {plan.config}) does not fit q {tuple(q.shape)} with head_dim_v {head_dim_v}")
+    if q.device.type != "cuda":
+        raise ValueError(f"the cutedsl MLA decode runs on CUDA tensors (a Hopper GPU), got {q.device}")
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
+    q = q.contiguous()
+    block_table = block_table.contiguous()
+    cache_seqlens = cache_seqlens.contiguous()
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary for TMA, got address {t.data_ptr():#x}")
+    out = torch.empty(b, s_q, h, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+    if b == 0:
+        return out, lse
+    split = plan.num_splits > 1
+    po, pl = (plan.partial_out, plan.partial_lse) if split else (lse, lse)  # unused pointers when not split
+    cutlass = importlib.import_module("cutlass")
+    cuda = importlib.import_module("cuda.bindings.driver")
+    fn = _kernel(q.dtype, bool(causal), split)
+    fn(*_pointers(q.dtype, [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]),
+       cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
+       cutlass.Int32(block_table.shape[1]), cutlass.Int32(plan.num_splits), cutlass.Float32(softmax_scale * _LOG2E),
+       cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+    if split:
+        _combine(plan, out, lse)
+    return out, lse
+
+
+def _combine(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """out [b, s_q, h, 512], lse [b, s_q, h] from the plan's per-split partials (Triton's combine kernel)."""
+    from mlaserve.kernels.triton.mla_decode import _combine_kernel
+    b, s_q, h, d_v = out.shape
+    po, pl = plan.partial_out, plan.partial_lse
+    block_c = 128
+    _combine_kernel[(b * s_q * h, triton.cdiv(d_v, block_c))](
+        po, pl, out, lse, plan.num_splits, h,
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), s_q * h,
+        HEAD_DIM_V=d_v, BLOCK_S=triton.next_power_of_2(plan.num_splits), SPLIT_CHUNK=8, BLOCK_C=block_c, num_warps=4)

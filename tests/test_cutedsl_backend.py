@@ -1,0 +1,151 @@
+"""The CuTe DSL MLA decode's host side on the CPU: planning, shape checks, the split combine, and the
+refusals of the `cutedsl` kernel backend and the `cutedsl_mla` attention backend where no Hopper GPU (or
+no `nvidia-cutlass-dsl`) is. CI does not install the DSL: nothing here imports it. The kernel itself
+runs in tests/gpu/test_cutedsl_mla.py and scripts/cutedsl_check.py.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from mlaserve import ops
+from mlaserve.attention import registry
+from mlaserve.attention.base import BackendConfig
+from mlaserve.kernels import reference
+from mlaserve.ops.registry import BACKENDS, PREFERENCE
+
+cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+CPU = torch.device("cpu")
+
+
+def _inputs(b=2, s_q=1, h=16, d=576, page=64, pages=4, dtype=torch.bfloat16, kv_dtype=None):
+    q = torch.zeros(b, s_q, h, d, dtype=dtype)
+    kv = torch.zeros(b * pages, page, 656 if kv_dtype == torch.uint8 else d, dtype=kv_dtype or dtype)
+    bt = torch.arange(b * pages, dtype=torch.int32).view(b, pages)
+    lens = torch.full((b,), page * pages, dtype=torch.int32)
+    return q, kv, bt, lens
+
+
+def test_plan_splits_small_batches_and_sizes_the_workspace():
+    plan = cd.plan_mla_decode(2, 1, 16, 512, 64, 64, False, CPU)
+    want = cd.choose_num_splits(2, 1, 16, 64, 64, CPU)
+    assert plan.num_splits == want > 1          # 2 CTAs cannot fill the (CPU stand-in's 8) SMs
+    assert plan.config == cd.CONFIG and plan.rows == 16
+    assert tuple(plan.partial_out.shape) == (2, want, 16, 512) and tuple(plan.partial_lse.shape) == (2, want, 16)
+    full = cd.plan_mla_decode(128, 1, 128, 512, 64, 64, False, CPU)
+    assert full.num_splits == 1 and full.partial_out is None
+    assert cd.plan_mla_decode(2, 1, 16, 512, 64, 64, False, CPU, num_splits=3).num_splits == 3
+    need = cd.workspace_numel(2, 16, 512, want)
+    shared = torch.empty(need, dtype=torch.float32)
+    assert cd.plan_mla_decode(2, 1, 16, 512, 64, 64, False, CPU, workspace=shared).partial_out.data_ptr() == \
+        shared.data_ptr()
+    with pytest.raises(ValueError, match=f">= {need} elements"):
+        cd.plan_mla_decode(2, 1, 16, 512, 64, 64, False, CPU, workspace=shared[:need - 1])
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(page_size=32), "page_size 32"),
+    (dict(head_dim_v=256), "head_dim_v 256"),
+    (dict(kv_fp8=True), "kv_fp8 True"),
+])
+def test_plan_refuses_what_the_kernel_cannot_take(kwargs, says):
+    args = dict(b=2, s_q=1, h=16, head_dim_v=512, max_pages=8, page_size=64, kv_fp8=False, device=CPU) | kwargs
+    with pytest.raises(ValueError, match=says):
+        cd.plan_mla_decode(**args)
+    with pytest.raises(ValueError, match="one config"):
+        cd.plan_mla_decode(2, 1, 16, 512, 8, 64, False, CPU, config=cd.MLADecodeConfig(block_h=32))
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(dtype=torch.float32), "bf16/fp16 q, got torch.float32"),
+    (dict(kv_dtype=torch.uint8), "no FP8 KV path"),
+    (dict(kv_dtype=torch.float16), "kv_cache dtype torch.float16 must match q dtype torch.bfloat16"),
+    (dict(d=512), r"q shape \(2, 1, 16, 512\)"),
+    (dict(page=32), r"page size 64\), got shape \(8, 32, 576\)"),
+])
+def test_unsupported_inputs_raise_naming_the_values(change, says):
+    q, kv, bt, lens = _inputs(**change)
+    with pytest.raises(ValueError, match=says):
+        cd.mla_decode(q, kv, bt, lens, 0.1)
+
+
+def test_supported_shapes_on_the_cpu_say_it_needs_cuda():
+    q, kv, bt, lens = _inputs(s_q=3, h=128)
+    with pytest.raises(ValueError, match="head_dim_v 512"):
+        cd.mla_decode(q, kv, bt, lens, 0.1, head_dim_v=448)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        cd.mla_decode(q, kv, bt, lens, 0.1)
+
+
+def test_kernel_backend_refuses_the_cpu_naming_package_and_gpu():
+    reason = BACKENDS["cutedsl"].unavailable_reason(CPU)
+    assert "nvidia-cutlass-dsl" in reason and "Hopper" in reason and "9.x" in reason
+    assert "cutedsl" not in ops.available("mla_decode", CPU)
+    assert PREFERENCE == ("triton", "torch")       # cutedsl joins only once the device proves it
+    q, kv, bt, lens = _inputs()
+    with pytest.raises(ValueError, match="backend 'cutedsl' cannot run mla_decode here: .*nvidia-cutlass-dsl"):
+        ops.mla_decode(q, kv, bt, lens, 0.1, backend="cutedsl")
+
+
+def test_attention_backend_refuses_without_hopper():
+    config = BackendConfig(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                           kv_cache_dtype="auto", device=CPU)
+    assert "cutedsl_mla" in registry.names() and "cutedsl_mla" not in registry.names(dsa=True)
+    reason = registry.unavailable_reason("cutedsl_mla", config)
+    assert "nvidia-cutlass-dsl" in reason and "Hopper" in reason
+    with pytest.raises(ValueError, match="'cutedsl_mla' cannot run here: .*nvidia-cutlass-dsl"):
+        registry.create("cutedsl_mla", config)
+    with pytest.raises(ValueError, match="no DSA"):
+        registry.create("cutedsl_mla", config, dsa=True)
+
+
+def test_serve_with_cutedsl_mla_stops_startup_with_the_reason(tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    from mlaserve.server import launch
+
+    monkeypatch.setenv("MLASERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("started a server"))
+    assert launch.main(["--attention-backend", "cutedsl_mla"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start" in err and "cutedsl_mla" in err and "nvidia-cutlass-dsl" in err, err
+
+
+def test_combine_merges_split_partials_into_the_reference(monkeypatch):
+    """The partials the kernel writes per split (softmax over its token run, lse; out 0 and lse -inf
+    where a row sees no key of the split) combine into the one-pass result. Triton's interpreter runs it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    b, s_q, h, page = 2, 2, 4, 64
+    lens = [150, 1]                     # request 1: one token, so its later splits see nothing
+    pages = [(n + page - 1) // page for n in lens]
+    kv = torch.randn(sum(pages), page, 576, generator=gen)
+    bt = torch.zeros(b, max(pages), dtype=torch.int32)
+    bt[0, :pages[0]] = torch.arange(pages[0])
+    bt[1, :pages[1]] = torch.arange(pages[0], pages[0] + pages[1])
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(b, s_q, h, 576, generator=gen)
+    scale = 576 ** -0.5
+    plan = cd.plan_mla_decode(b, s_q, h, 512, bt.shape[1], page, False, CPU, num_splits=3)
+    for i, n in enumerate(lens):
+        split_len = -(-(-(-n // 3)) // page) * page      # the kernel's rule: whole pages per split
+        for s in range(3):
+            lo, hi = s * split_len, min((s + 1) * split_len, n)
+            vis = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]   # [s_q, n] causal
+            vis[:, :lo] = False
+            vis[:, max(hi, lo):] = False
+            logits = torch.einsum("jhd,td->jht", q[i].double(), kv[bt[i].long()].reshape(-1, 576)[:n].double())
+            logits = (logits * scale).masked_fill(~vis[:, None, :], float("-inf"))
+            lse = torch.logsumexp(logits, -1)                                               # [s_q, h]
+            o = torch.einsum("jht,td->jhd", torch.exp(logits - lse[..., None]).nan_to_num(0.0),
+                             kv[bt[i].long()].reshape(-1, 576)[:n, :512].double())
+            assert torch.isinf(lse).any() or i == 0    # request 1 has splits that see nothing
+            plan.partial_out[i, s] = o.reshape(s_q * h, 512).float()
+            plan.partial_lse[i, s] = lse.reshape(s_q * h).float()
+    out = torch.empty(b, s_q, h, 512, dtype=torch.float16)
+    lse = torch.empty(b, s_q, h)
+    cd._combine(plan, out, lse)
+    ref_out, ref_lse = reference.mla_decode(q, kv, bt, seqlens, scale)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
