@@ -1,0 +1,152 @@
+"""Check and time the CuTe DSL MLA decode (mlaserve/kernels/cutedsl) on a Hopper GPU.
+
+    python scripts/cutedsl_check.py            # correctness shapes, then timings
+    python scripts/cutedsl_check.py --quick    # a few shapes, no timings
+    python scripts/cutedsl_check.py --compile  # compile every specialization only (works without a GPU
+                                               # with CUTE_DSL_ARCH=sm_90a), print compile seconds
+
+Prints one PASS/FAIL line per shape with the max abs error against mlaserve.kernels.reference.mla_decode
+(FlashMLA's tolerances: each element within 1e-3 abs or 2/128 rel, cosine distance <= 1e-5, lse within
+2e-3; rows with no visible key exactly out 0, lse -inf). Unused cache slots hold NaN and block-table
+entries past a request's pages an out-of-range page id, so a stray read shows up. Exit status 1 if any fails.
+"""
+
+import argparse
+import importlib
+import math
+import random
+import sys
+import time
+
+import torch
+
+cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+from mlaserve.kernels import reference  # noqa: E402
+
+SCALE = 192 ** -0.5
+
+
+def make_case(lens, s_q, h, dtype, seed):
+    """-> q [b, s_q, h, 576], kv [pages, 64, 576] (NaN where no request owns a slot), block_table, seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    b, page = len(lens), cd.PAGE_SIZE
+    need = [math.ceil(n / page) for n in lens]
+    max_pages = max(need) + 1
+    num_pages = sum(need) + 3
+    kv = torch.randn(num_pages, page, 576, generator=gen).to(dtype)
+    owned = torch.zeros(num_pages, page, dtype=torch.bool)
+    table = torch.full((b, max_pages), num_pages + 1000, dtype=torch.int32)   # past the cache: never read
+    order = torch.randperm(num_pages, generator=gen)
+    at = 0
+    for i, n in enumerate(lens):
+        table[i, :need[i]] = order[at:at + need[i]].int()
+        for t in range(n):
+            owned[order[at + t // page], t % page] = True
+        at += need[i]
+    kv[~owned] = float("nan")
+    q = torch.randn(b, s_q, h, 576, generator=gen).to(dtype)
+    return q.cuda(), kv.cuda(), table.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
+
+
+def compare(out, lse, ref_out, ref_lse) -> tuple[bool, float, str]:
+    """(ok, max abs err, what failed) with FlashMLA-like tolerances."""
+    empty = ref_lse == float("-inf")
+    err = (out.double() - ref_out.double()).abs()
+    max_err = err.max().item() if err.numel() else 0.0
+    problems = []
+    if out.isnan().any() or lse.isnan().any():
+        problems.append("NaN")
+    if not torch.equal(lse == float("-inf"), empty) or not (out[empty] == 0).all():
+        problems.append("empty rows")
+    bad = err > torch.maximum(torch.full_like(err, 1e-3), ref_out.double().abs() * (2 / 128))
+    if bad.any():
+        problems.append(f"{int(bad.sum())} elements out of tolerance")
+    a, r = out[~empty].double().flatten(), ref_out[~empty].double().flatten()
+    if a.numel():
+        cos_dist = 1 - (a @ r) / (a.norm() * r.norm()).clamp_min(1e-30)
+        if cos_dist > 1e-5:
+            problems.append(f"cosine distance {cos_dist.item():.2e}")
+    if (lse[~empty].double() - ref_lse[~empty].double()).abs().max(initial=0.0) > 2e-3:
+        problems.append("lse")
+    return not problems, max_err, ", ".join(problems)
+
+
+def cases(quick: bool):
+    rnd = random.Random(0)
+    long = [1, 2, 63, 64, 65, 4096] + [rnd.randint(1, 4096) for _ in range(122)]
+    lens_by_b = {1: [[1], [4096], [777]], 4: [[1, 63, 64, 4096], [2, 65, 1000, 129], [3, 3, 3, 4000]],
+                 128: [long, long[::-1], long[3:] + long[:3]]}
+    for bi, b in enumerate((1, 4, 128)):
+        for si, s_q in enumerate((1, 2, 3)):
+            for hi, h in enumerate((16, 64, 128)):
+                if quick and (b == 128 or s_q == 3):
+                    continue
+                yield dict(lens=lens_by_b[b][(si + hi) % 3], s_q=s_q, h=h, dtype=torch.bfloat16, causal=True)
+    yield dict(lens=[5, 300, 64, 1], s_q=2, h=64, dtype=torch.float16, causal=True)
+    yield dict(lens=[5, 300, 64, 1], s_q=2, h=16, dtype=torch.bfloat16, causal=False)
+    yield dict(lens=[4096, 1, 700, 2], s_q=1, h=128, dtype=torch.bfloat16, causal=True, num_splits=7)
+    yield dict(lens=[0, 1, 2], s_q=2, h=16, dtype=torch.bfloat16, causal=True, num_splits=3)
+
+
+def check(quick: bool) -> int:
+    failed = 0
+    for seed, c in enumerate(cases(quick)):
+        lens = c["lens"]
+        q, kv, table, seqlens = make_case(lens, c["s_q"], c["h"], c["dtype"], seed)
+        name = (f"b{len(lens)} s_q{c['s_q']} h{c['h']} {str(c['dtype'])[6:]} causal={c['causal']} "
+                f"s_k {min(lens)}..{max(lens)} splits={c.get('num_splits', 'auto')}")
+        try:
+            out, lse = cd.mla_decode(q, kv, table, seqlens, SCALE, causal=c["causal"],
+                                     num_splits=c.get("num_splits"))
+            torch.cuda.synchronize()
+            ref_out, ref_lse = reference.mla_decode(q.double(), kv.double(), table, seqlens, SCALE,
+                                                    causal=c["causal"])
+            ok, max_err, why = compare(out, lse, ref_out, ref_lse)
+        except Exception as e:      # a launch or compile error is this shape's FAIL line, then the next shape
+            ok, max_err, why = False, float("nan"), f"{type(e).__name__}: {e}"
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  max abs err {max_err:.2e}  {why}", flush=True)
+    return failed
+
+
+def bench() -> None:
+    import triton.testing
+    from mlaserve import ops
+    for s_q, h in ((1, 64), (1, 128), (2, 128), (1, 16)):
+        b, s_k = 128, 8192
+        q, kv, table, seqlens = make_case([s_k] * b, s_q, h, torch.bfloat16, 0)
+        flops = 2 * b * s_q * h * s_k * (576 + 512)
+        plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, False, q.device)
+        line = f"b{b} s_q{s_q} h{h} s_k{s_k} splits={plan.num_splits}:"
+        for backend in ("cutedsl", "triton"):
+            fn = (lambda: cd.mla_decode(q, kv, table, seqlens, SCALE, plan=plan)) if backend == "cutedsl" else \
+                (lambda: ops.mla_decode(q, kv, table, seqlens, SCALE, backend="triton"))
+            ms = triton.testing.do_bench(fn, warmup=50, rep=300)
+            line += f"  {backend} {ms * 1e3:7.1f} us {flops / ms / 1e9:6.1f} TFLOP/s"
+        print(line, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    if args.compile:
+        for dtype in (torch.bfloat16, torch.float16):
+            for causal in (True, False):
+                for split in (False, True):
+                    cd._kernel(dtype, causal, split)
+        print("compiled", {f"{str(k[0])[6:]} causal={k[1]} split={k[2]}": f"{v:.1f}s"
+                           for k, v in cd.compile_seconds.items()})
+        return 0
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    t0 = time.perf_counter()
+    failed = check(args.quick)
+    print(f"{failed} failed; compile seconds {cd.compile_seconds}; {time.perf_counter() - t0:.0f}s", flush=True)
+    if not args.quick:
+        bench()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
