@@ -14,10 +14,14 @@
 #                     PHASES=env,install,tune (a sweep and the benchmark do not both fit in one 600 s call)
 #   BENCH_SUITES      "dense sparse indexer"      one `bench kernels` process each (a kernel fault in one
 #                                                 suite cannot lose the others' rows: they merge in kernels.json)
-#   BENCH_BACKENDS    all                          comma list: torch,triton,flashinfer,sglang
+#   BENCH_BACKENDS    all                          comma list: torch,triton,cutedsl,flashinfer,sglang
+#   BENCH_SHAPES      ""                           comma list of substrings of shape keys ("sq1 sk8192", "decode b128")
+#   PYTEST_ARGS       tests/gpu                    what the pytest phase runs
+#   phase "cutedsl"   scripts/cutedsl_check.py (CuTe DSL kernel against the reference, then its timings) into
+#                     cutedsl.log; needs the DSL on the machine (phases cutedsl1 + cutedsl2 below); T_CUTEDSL 150
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
-# Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png
+# Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log
 #   and with tune: tune.log tune_mla_decode.json tune_sparse.json
 # The last thing printed is a short table (phases, then the headline kernel shapes).
 
@@ -117,13 +121,24 @@ if has_phase install; then
   fi
 fi
 
+# -- the CuTe DSL kernel's own check (PASS/FAIL per shape, then timings beside Triton) --
+if has_phase cutedsl; then
+  if python3 -c "import cutlass" >/dev/null 2>&1; then
+    run_phase cutedsl-check "$(limit "${T_CUTEDSL:-150}")" "$OUT/cutedsl.log" python3 scripts/cutedsl_check.py
+    grep -E "^(PASS|FAIL)" "$OUT/cutedsl.log" | awk '{print $1}' | sort | uniq -c | tee -a "$LOG"
+    tail -n 8 "$OUT/cutedsl.log" | tee -a "$LOG"
+  else
+    say "== cutedsl-check: the DSL is not on this machine (phases cutedsl1, cutedsl2 first)"
+  fi
+fi
+
 # -- pytest tests/gpu --
 if has_phase pytest; then
   if [ -d tests/gpu ]; then
     extra=()
     if python3 -c "import pytest_timeout" >/dev/null 2>&1; then extra=(--timeout 180); fi
     run_phase pytest "$(limit "${T_PYTEST:-150}")" "$OUT/pytest.log" python3 -m pytest -q -p no:cacheprovider \
-      --durations=10 "${extra[@]}" tests/gpu
+      --durations=10 "${extra[@]}" ${PYTEST_ARGS:-tests/gpu}
     tail -n 15 "$OUT/pytest.log" | tee -a "$LOG"
   else
     say "== pytest: no tests/gpu folder"
@@ -150,6 +165,7 @@ if has_phase bench; then
     # shapes may start until 35 s before the limit (the last one and the JSON need that); at least 5 s
     budget=$((lim - 35)); if [ "$budget" -lt 5 ]; then budget=5; fi
     flags=(--suite "$suite" --backends "${BENCH_BACKENDS:-all}" --out "$OUT" --disable-tqdm --time-budget "$budget")
+    if [ -n "${BENCH_SHAPES:-}" ]; then flags+=(--shapes "$BENCH_SHAPES"); fi
     if [ $first = 0 ]; then flags+=(--no-limits); fi   # limits measured once, kept by the merge
     run_phase "bench-$suite" "$lim" "$OUT/bench.log" python3 -m mlaserve.cli bench kernels "${flags[@]}"
     first=0
