@@ -17,7 +17,6 @@ with any s_q and h, KV in q's dtype [pages, 64, 576], head_dim_v 512. `nvidia-cu
 imported on the first launch only: checks and plans work without it.
 """
 
-import functools
 import importlib
 import time
 
