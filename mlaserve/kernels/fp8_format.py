@@ -6,15 +6,12 @@ One cached token is 656 bytes:
     bytes 512 .. 527   4 float32 scales, one per tile (value = fp8 * scale)
     bytes 528 .. 655   k_pe, 64 values in bfloat16, unquantized
 
-Every kernel that reads FP8 KV reads exactly this layout; the torch functions here
-are its definition. The value of a cached entry is fp8 * scale (DESIGN.md), which
-float32 holds to within one rounding: the reference attends over those float32 values,
-and the Triton kernels compute the same products exactly without forming them (e4m3
-tiles as fp16 on the tensor cores, the scales applied to QK and P), so the two differ
-only in summation order. `dequantize(..., torch.bfloat16)` rounds the values once more,
-for callers that want the cache in the model's dtype. (Power-of-two scales would make
-fp8 * scale exact in bf16, but they round a tile's largest value, and c_kv's outliers
-cost a tiny model 8x in log-prob error.)
+Every kernel that reads FP8 KV dequantizes exactly this layout; the torch
+functions here are its definition. The value of a cached entry is the bfloat16 nearest
+fp8 * scale: kernels dequantize into bf16 registers for the tensor cores, and the
+reference computes on the same bf16 values, so the two differ only in summation order.
+(Power-of-two scales would make fp8 * scale exact in bf16, but they round a tile's
+largest value, and c_kv's outliers cost a tiny model 8x in log-prob error.)
 """
 
 import torch
@@ -48,12 +45,11 @@ def quantize(kv: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """packed uint8 [..., 656] -> [..., 576] in `dtype`: the entries' values fp8 * scale, computed in
-    float32 and rounded once to `dtype` (float32 keeps them to within one rounding)."""
+    """packed uint8 [..., 656] -> [..., 576] in `dtype`: the bf16 values of the entries, cast to `dtype`."""
     lead = packed.shape[:-1]
     flat = packed.reshape(-1, PACKED_BYTES)
     q = flat[:, :SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn).float().view(-1, NUM_TILES, TILE)
     scale = flat[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32)  # [n, 4]
     ckv = (q * scale[..., None]).view(-1, KV_LORA_RANK)
     kpe = flat[:, ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
-    return torch.cat([ckv, kpe], dim=-1).to(dtype).view(*lead, D_QK)
+    return torch.cat([ckv, kpe], dim=-1).to(torch.bfloat16).to(dtype).view(*lead, D_QK)

@@ -1,7 +1,7 @@
 """The Triton MLA decode kernel at real shapes on a GPU, against the torch reference; CUDA-graph capture.
 
 Tolerances follow FlashMLA's tests: every output element within 1e-3 absolute or 2/128 relative, cosine
-distance of the whole output <= 1e-5 (FP8 KV too: its kernel computes the format's values exactly), lse within 2e-3; see `_check` for short requests. Cache rows no request owns hold NaN (bf16) or 0xFF
+distance of the whole output <= 1e-5 (1e-4 with FP8 KV), lse within 2e-3; see `_check` for short requests. Cache rows no request owns hold NaN (bf16) or 0xFF
 bytes (NaN in e4m3, the fp32 scales and bf16 k_pe alike) and block-table entries past a request's
 pages a poison page id, so a read outside a request's tokens shows up.
 One command: python -m pytest -q tests/gpu/test_mla_decode_gpu.py
@@ -53,8 +53,8 @@ def _check(out, lse, q, kv, table, seqlens, rows):
     """Compares requests `rows` of a kernel result (lse may be None) with the reference, computed for those only.
 
     Requests of >= 256 keys (outputs average many rows) must meet FlashMLA's bounds. Shorter ones may
-    have outputs of magnitude ~1 where rounding P to bf16 before P·V moves an element by up to 2^-8 of
-    the output's magnitude: they get that much absolute slack.
+    have outputs of magnitude ~1 where rounding P (and FP8-dequantized rows) to bf16 before P·V moves
+    an element by up to 2^-8 of the output's magnitude: they get that much absolute slack.
     """
     idx = torch.tensor(rows, device=out.device)
     ref_out, ref_lse = reference.mla_decode(q[idx], kv, table[idx], seqlens[idx], SCALE, causal=True, head_dim_v=512)
@@ -66,13 +66,16 @@ def _check(out, lse, q, kv, table, seqlens, rows):
     assert (out[empty] == 0).all()
     err = (out - ref_out).abs()
     long = seqlens[idx] >= 256
-    slack = torch.where(long, 0.0, 2 ** -7 * ref_out.abs().amax(dim=(1, 2, 3)))[:, None, None, None]
+    slack = torch.where(long, 0.0, (2 ** -6 if kv.dtype == torch.uint8 else 2 ** -7)
+                        * ref_out.abs().amax(dim=(1, 2, 3)))[:, None, None, None]
     bad = (err > 1e-3 + slack) & (err > (2 / 128) * ref_out.abs())
     assert not bad.any(), f"{int(bad.sum())} elements off; worst abs err {float(err.max()):.3g}"
     x, y = out[long].double().flatten(), ref_out[long].double().flatten()
     if x.numel():
         cos_dist = float(1 - 2 * (x @ y) / (x @ x + y @ y).clamp_min(1e-30))
-        assert cos_dist <= 1e-5, f"cosine distance {cos_dist:.3g} > 1e-5"
+        # FP8: the kernel rounds dequantized rows (e4m3 * fp32 scale) to bf16, the reference keeps them in fp32
+        limit = 1e-4 if kv.dtype == torch.uint8 else 1e-5
+        assert cos_dist <= limit, f"cosine distance {cos_dist:.3g} > {limit}"
     if lse is not None:
         lse = lse[idx]
         assert not lse.isnan().any()

@@ -9,8 +9,7 @@ and uses it for both QK (nope part as two column halves, plus the rope part) and
 halves are V), with an online softmax in exp2. Each step fetches the next tile's page ids,
 so the pipeliner streams KV tiles `num_stages` deep. Tiles every query row sees whole skip
 all masking; only the last one or two tiles of a request are masked (causal, length). FP8
-KV has a kernel of its own that is never dequantized: the e4m3 tiles go to the tensor cores as
-fp16 (exact) and the per-128-column scales multiply QK and P instead (kernels/triton/common.py).
+rows are dequantized in registers (e4m3 x the row's per-128-column scale, as bf16 values).
 A second kernel combines the splits through their lse.
 
 Knobs (`MLADecodeConfig`): `v_split=2` gives two programs one query block, each accumulating
@@ -31,7 +30,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import fp8_format
-from mlaserve.kernels.triton.common import FP8_MIN_SCALE, fp8_qk, fp8_query, fp8_rope, fp8_softmax_pv, fp8_tile
+from mlaserve.kernels.triton.common import fp8_kv_values
 from mlaserve.kernels.triton.mla_decode_plan import (  # noqa: F401  (re-exported: the planning API)
     DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, default_config, plan_mla_decode,
     workspace_numel)
@@ -53,29 +52,48 @@ def _tile_mask(in_seq, offs_c, LIMIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl
 
 
 @triton.jit
-def _load_nope_half(kv_ptr, row_off, in_seq, col0, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-                    HEAD_DIM_V: tl.constexpr, MASKED: tl.constexpr):
-    """c_kv columns col0 .. col0 + HALF of BLOCK_N cached rows -> [BLOCK_N, HALF].
+def _load_nope_half(kv_ptr, row_off, in_seq, col0, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HALF: tl.constexpr, HEAD_DIM_V: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr):
+    """c_kv columns col0 .. col0 + HALF of BLOCK_N cached rows -> [BLOCK_N, HALF] in COMPUTE.
 
-    row_off int64 [BLOCK_N]: each row's offset (elements). in_seq bool [BLOCK_N] (used when MASKED):
-    rows past the request's length read as 0, never as the cache's contents.
+    row_off int64 [BLOCK_N]: each row's offset (elements; bytes for FP8). in_seq bool [BLOCK_N]
+    (used when MASKED): rows past the request's length read as 0, never as the cache's contents.
+    FP8: e4m3 bytes times the row's scale of each 128-column tile (a half spans two tiles).
     """
     offs_c = tl.arange(0, HALF)
     # the row mask only on tail tiles; the column mask only when head_dim_v is padded
     mask = _tile_mask(in_seq, col0 + offs_c, HEAD_DIM_V, MASKED, 2 * HALF > HEAD_DIM_V)
     ptrs = kv_ptr + row_off[:, None] + (col0 + offs_c)[None, :]
-    if MASKED or 2 * HALF > HEAD_DIM_V:
-        return tl.load(ptrs, mask=mask, other=0.0)
-    return tl.load(ptrs)
+    if IS_FP8:
+        tl.static_assert(HALF == 2 * 128)
+        scale_ptr = (kv_ptr + row_off + 512).to(tl.pointer_type(tl.float32)) + col0 // 128
+        if MASKED:
+            vals = tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
+            s_lo = tl.load(scale_ptr, mask=in_seq, other=0.0)
+            s_hi = tl.load(scale_ptr + 1, mask=in_seq, other=0.0)
+        else:
+            vals = tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)))
+            s_lo = tl.load(scale_ptr)
+            s_hi = tl.load(scale_ptr + 1)
+        scale = tl.where(offs_c[None, :] < 128, s_lo[:, None], s_hi[:, None])
+        tile = fp8_kv_values(vals.to(tl.float32) * scale, COMPUTE)
+    elif MASKED or 2 * HALF > HEAD_DIM_V:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
 def _load_pe(kv_ptr, row_off, in_seq, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_PE: tl.constexpr,
-             HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, MASKED: tl.constexpr):
+             HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr):
     """k_pe (the DIM_PE columns after c_kv) of BLOCK_N cached rows -> [BLOCK_N, BLOCK_PE] in COMPUTE."""
     offs_c = tl.arange(0, BLOCK_PE)
     mask = _tile_mask(in_seq, offs_c, DIM_PE, MASKED, BLOCK_PE > DIM_PE)
-    ptrs = kv_ptr + row_off[:, None] + (HEAD_DIM_V + offs_c)[None, :]
+    if IS_FP8:
+        ptrs = (kv_ptr + row_off + 528)[:, None].to(tl.pointer_type(tl.bfloat16)) + offs_c[None, :]
+    else:
+        ptrs = kv_ptr + row_off[:, None] + (HEAD_DIM_V + offs_c)[None, :]
     if MASKED or BLOCK_PE > DIM_PE:
         return tl.load(ptrs, mask=mask, other=0.0).to(COMPUTE)
     return tl.load(ptrs).to(COMPUTE)
@@ -98,67 +116,13 @@ def _tile_pages(bt_row, start_n, seqlen, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.co
 
 
 @triton.jit
-def _row_offsets(page, start_n, stride_page, stride_tok, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """int64 [BLOCK_N]: offsets of the tile's cached rows (elements of kv_ptr's type) from `_tile_pages`' ids."""
-    if PAGE_SIZE % BLOCK_N == 0:
-        # the tile lies in one page: a scalar base plus constant offsets keeps copy addresses out of registers
-        return page.to(tl.int64) * stride_page + ((start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_tok
-    return page.to(tl.int64) * stride_page + ((start_n + tl.arange(0, BLOCK_N)) % PAGE_SIZE) * stride_tok
-
-
-@triton.jit
-def _query_rows(pid_h, seqlen, H, S_Q, ROWS, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr):
-    """This program's query rows (row r = new token r // H, head r % H): (offs_r, row_ok, tok, head,
-    vis_len int32 [BLOCK_H]: keys each row sees, min_vis: keys every row sees)."""
-    offs_r = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = offs_r < ROWS
-    tok = offs_r // H
-    head = offs_r % H
-    if CAUSAL:
-        vis_len = seqlen - S_Q + 1 + tok                  # new token j sees positions 0 .. seqlen - S_Q + j
-        min_vis = tl.maximum(seqlen - S_Q + 1, 0)
-    else:
-        vis_len = tl.zeros([BLOCK_H], dtype=tl.int32) + seqlen
-        min_vis = seqlen
-    return offs_r, row_ok, tok, head, vis_len, min_vis
-
-
-@triton.jit
-def _split_range(seqlen, min_vis, pid_s, num_splits, BLOCK_N: tl.constexpr):
-    """This split's tokens [start, end): the request's length cut into num_splits runs of whole tiles;
-    tiles below full_end are seen whole by every row (no masking)."""
-    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * split_len
-    end = tl.minimum(start + split_len, seqlen)
-    full_end = tl.maximum(tl.minimum(end, (min_vis // BLOCK_N) * BLOCK_N), start)
-    return start, end, full_end
-
-
-@triton.jit
-def _finish(m_i, l_i):
-    """(1 / l, lse in natural log) of each row; rows that saw no key get 0 and -inf."""
-    empty = l_i == 0.0
-    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-    return inv_l, lse
-
-
-@triton.jit
-def _store_cols(row_ptrs, vals, col0, row_ok, WIDTH: tl.constexpr, HEAD_DIM_V: tl.constexpr):
-    """vals [BLOCK_H, WIDTH] -> columns col0 .. col0 + WIDTH (those below HEAD_DIM_V) of each row, in the
-    pointers' dtype."""
-    offs_c = col0 + tl.arange(0, WIDTH)
-    tl.store(row_ptrs[:, None] + offs_c[None, :], vals.to(row_ptrs.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_c < HEAD_DIM_V)[None, :])
-
-
-@triton.jit
 def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
                  stride_page, stride_tok, col_a, col_b, qk_scale,
                  COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, MASKED: tl.constexpr, LAZY_RESCALE: tl.constexpr):
-    """One online-softmax step over cached tokens start_n .. start_n + BLOCK_N (bf16/fp16/fp32 KV).
+                 DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr,
+                 LAZY_RESCALE: tl.constexpr):
+    """One online-softmax step over cached tokens start_n .. start_n + BLOCK_N (the shared inner loop).
 
     acc_a/acc_b fp32 [BLOCK_H, HALF]; m_i (log2 units)/l_i fp32 [BLOCK_H]; q_a/q_b [BLOCK_H, HALF];
     q_pe [BLOCK_H, BLOCK_PE]; page: the tile's page id(s) from `_tile_pages`; vis_len int32 [BLOCK_H]:
@@ -166,14 +130,19 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, 
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_seq = offs_n < seqlen
-    row_off = _row_offsets(page, start_n, stride_page, stride_tok, BLOCK_N, PAGE_SIZE)
-    kv_a = _load_nope_half(kv_ptr, row_off, in_seq, col_a, BLOCK_N, HALF, HEAD_DIM_V, MASKED)
-    kv_b = _load_nope_half(kv_ptr, row_off, in_seq, col_b, BLOCK_N, HALF, HEAD_DIM_V, MASKED)
+    # -- rows of the paged cache --
+    if PAGE_SIZE % BLOCK_N == 0:
+        # the tile lies in one page: a scalar base plus constant offsets keeps copy addresses out of registers
+        row_off = page.to(tl.int64) * stride_page + ((start_n % PAGE_SIZE) + tl.arange(0, BLOCK_N)) * stride_tok
+    else:
+        row_off = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_tok
+    kv_a = _load_nope_half(kv_ptr, row_off, in_seq, col_a, COMPUTE, BLOCK_N, HALF, HEAD_DIM_V, IS_FP8, MASKED)
+    kv_b = _load_nope_half(kv_ptr, row_off, in_seq, col_b, COMPUTE, BLOCK_N, HALF, HEAD_DIM_V, IS_FP8, MASKED)
     # -- compute qk (scaled into log2 units) --
     s = tl.dot(q_a, tl.trans(kv_a), input_precision=DOT_PRECISION)
     s = tl.dot(q_b, tl.trans(kv_b), s, input_precision=DOT_PRECISION)
     if DIM_PE > 0:
-        kv_pe = _load_pe(kv_ptr, row_off, in_seq, COMPUTE, BLOCK_N, BLOCK_PE, HEAD_DIM_V, DIM_PE, MASKED)
+        kv_pe = _load_pe(kv_ptr, row_off, in_seq, COMPUTE, BLOCK_N, BLOCK_PE, HEAD_DIM_V, DIM_PE, IS_FP8, MASKED)
         s = tl.dot(q_pe, tl.trans(kv_pe), s, input_precision=DOT_PRECISION)
     s = s * qk_scale
     if MASKED:
@@ -226,11 +195,10 @@ def _mla_decode_kernel(
     stride_pob, stride_pos, stride_por, stride_plb, stride_pls,
     CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
     IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
-    """bf16/fp16/fp32 KV. Grid (b * row blocks * V_SPLIT, num_splits). Writes out/lse directly with one
-    split, else partials.
+    """Grid (b * row blocks * V_SPLIT, num_splits). Writes out/lse directly with one split, else partials.
 
     The programs of one request and split are adjacent, so that they read its KV tiles while the L2
     still holds them; b rides on the first grid axis, which (unlike the others) allows 2^31 programs.
@@ -244,8 +212,18 @@ def _mla_decode_kernel(
     # this program's V half is loaded as "a"; with V_SPLIT == 1 the program owns both halves
     col_a = v_part * HALF
     col_b = (1 - v_part) * HALF
+
+    offs_r = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)     # query rows: new token j = r // H, head = r % H
+    row_ok = offs_r < ROWS
+    tok = offs_r // H
+    head = offs_r % H
     seqlen = tl.load(seqlens_ptr + pid_b)
-    offs_r, row_ok, tok, head, vis_len, min_vis = _query_rows(pid_h, seqlen, H, S_Q, ROWS, CAUSAL, BLOCK_H)
+    if CAUSAL:
+        vis_len = seqlen - S_Q + 1 + tok                  # new token j sees positions 0 .. seqlen - S_Q + j
+        min_vis = tl.maximum(seqlen - S_Q + 1, 0)
+    else:
+        vis_len = tl.zeros([BLOCK_H], dtype=tl.int32) + seqlen
+        min_vis = seqlen
 
     # -- load q: [BLOCK_H, HALF] x 2 and [BLOCK_H, BLOCK_PE] --
     q_row = q_ptr + pid_b.to(tl.int64) * stride_qb + tok * stride_qs + head * stride_qh
@@ -258,7 +236,12 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_row[:, None] + (HEAD_DIM_V + offs_pe)[None, :],
                    mask=row_ok[:, None] & (offs_pe < DIM_PE)[None, :], other=0.0)
 
-    start, end, full_end = _split_range(seqlen, min_vis, pid_s, num_splits, BLOCK_N)
+    # -- this split's tokens: the request's length cut into num_splits runs of whole tiles --
+    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seqlen)
+    full_end = tl.maximum(tl.minimum(end, (min_vis // BLOCK_N) * BLOCK_N), start)  # tiles every row sees whole
+
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
@@ -272,7 +255,7 @@ def _mla_decode_kernel(
         acc_a, acc_b, m_i, l_i = _attend_tile(
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
             stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
-            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, False, LAZY_RESCALE)
+            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, False, LAZY_RESCALE)
         page = next_page
     page = _tile_pages(bt_row, full_end, seqlen, BLOCK_N, PAGE_SIZE)
     for start_n in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
@@ -280,112 +263,29 @@ def _mla_decode_kernel(
         acc_a, acc_b, m_i, l_i = _attend_tile(
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, seqlen, vis_len,
             stride_page, stride_tok, col_a, col_b, qk_scale, COMPUTE, DOT_PRECISION, PAGE_SIZE,
-            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, True, LAZY_RESCALE)
+            BLOCK_N, HALF, BLOCK_PE, HEAD_DIM_V, DIM_PE, V_SPLIT, IS_FP8, True, LAZY_RESCALE)
         page = next_page
 
     # -- epilogue: normalize; rows that saw no key get out = 0, lse = -inf --
-    inv_l, lse = _finish(m_i, l_i)
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    out_a = acc_a * inv_l[:, None]
+    out_b = acc_b * inv_l[:, None]
+    mask_a = row_ok[:, None] & ((col_a + offs_c) < HEAD_DIM_V)[None, :]
+    mask_b = row_ok[:, None] & ((col_b + offs_c) < HEAD_DIM_V)[None, :]
     if IS_SPLIT:
-        o_rows = part_out_ptr + pid_b.to(tl.int64) * stride_pob + pid_s * stride_pos + offs_r * stride_por
-        lse_ptrs = part_lse_ptr + pid_b * stride_plb + pid_s * stride_pls + offs_r
+        po_row = part_out_ptr + pid_b.to(tl.int64) * stride_pob + pid_s * stride_pos + offs_r * stride_por
+        tl.store(po_row[:, None] + (col_a + offs_c)[None, :], out_a, mask=mask_a)
+        if V_SPLIT == 1:
+            tl.store(po_row[:, None] + (col_b + offs_c)[None, :], out_b, mask=mask_b)
+        tl.store(part_lse_ptr + pid_b * stride_plb + pid_s * stride_pls + offs_r, lse, mask=row_ok & (v_part == 0))
     else:
-        o_rows = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
-        lse_ptrs = lse_ptr + pid_b * stride_lb + tok * stride_ls + head
-    _store_cols(o_rows, acc_a * inv_l[:, None], col_a, row_ok, HALF, HEAD_DIM_V)
-    if V_SPLIT == 1:
-        _store_cols(o_rows, acc_b * inv_l[:, None], col_b, row_ok, HALF, HEAD_DIM_V)
-    tl.store(lse_ptrs, lse, mask=row_ok & (v_part == 0))
-
-
-@triton.jit
-def _attend_tile_fp8(acc0, acc1, acc2, acc3, m_i, l_i, r_i, q0, q1, q2, q3, q_pe, nope_factor, qk_scale,
-                     kv_ptr, page, start_n, seqlen, vis_len, stride_page, stride_tok,
-                     COMPUTE: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """One online-softmax step over FP8 cached tokens start_n .. start_n + BLOCK_N, without dequantizing
-    them (kernels/triton/common.py says how): acc_t fp32 [BLOCK_H, 128] (out_t / r_i), m_i/l_i fp32
-    [BLOCK_H], r_i the largest scale seen; q_t [BLOCK_H, 128] in DOT from `fp8_query`; nope_factor
-    [BLOCK_H]: its 2^-k times qk_scale."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    in_seq = offs_n < seqlen
-    row_off = _row_offsets(page, start_n, stride_page, stride_tok, BLOCK_N, PAGE_SIZE)   # bytes
-    k0, c0 = fp8_tile(kv_ptr, row_off, in_seq, 0, DOT, MASKED)
-    k1, c1 = fp8_tile(kv_ptr, row_off, in_seq, 1, DOT, MASKED)
-    k2, c2 = fp8_tile(kv_ptr, row_off, in_seq, 2, DOT, MASKED)
-    k3, c3 = fp8_tile(kv_ptr, row_off, in_seq, 3, DOT, MASKED)
-    kv_pe = fp8_rope(kv_ptr, row_off, in_seq, COMPUTE, MASKED)
-    s = tl.dot(q_pe, tl.trans(kv_pe), input_precision=DOT_PRECISION) * qk_scale
-    s += fp8_qk(q0, q1, q2, q3, k0, k1, k2, k3, c0, c1, c2, c3, DOT_PRECISION) * nope_factor[:, None]
-    if MASKED:
-        s = tl.where(offs_n[None, :] < vis_len[:, None], s, float("-inf"))
-    return fp8_softmax_pv(s, m_i, l_i, r_i, acc0, acc1, acc2, acc3, k0, k1, k2, k3, c0, c1, c2, c3,
-                          DOT, DOT_PRECISION, MASKED)
-
-
-@triton.jit
-def _mla_decode_fp8_kernel(
-    q_ptr, kv_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_splits, H, S_Q, ROWS,
-    stride_qb, stride_qs, stride_qh, stride_page, stride_tok, stride_btb,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-    stride_pob, stride_pos, stride_por, stride_plb, stride_pls,
-    CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
-    """FP8 656-byte KV (d_qk 576, head_dim_v 512). Grid (b * row blocks, num_splits); otherwise as
-    `_mla_decode_kernel` with V_SPLIT 1."""
-    num_h = tl.cdiv(ROWS, BLOCK_H)
-    pid_b = tl.program_id(0) // num_h
-    pid_h = tl.program_id(0) % num_h
-    pid_s = tl.program_id(1)
-    seqlen = tl.load(seqlens_ptr + pid_b)
-    offs_r, row_ok, tok, head, vis_len, min_vis = _query_rows(pid_h, seqlen, H, S_Q, ROWS, CAUSAL, BLOCK_H)
-
-    q_row = q_ptr + pid_b.to(tl.int64) * stride_qb + tok * stride_qs + head * stride_qh
-    q0, q1, q2, q3, q_down = fp8_query(q_row, row_ok, DOT)
-    nope_factor = q_down * qk_scale
-    q_pe = tl.load(q_row[:, None] + (512 + tl.arange(0, 64))[None, :], mask=row_ok[:, None], other=0.0)
-
-    start, end, full_end = _split_range(seqlen, min_vis, pid_s, num_splits, BLOCK_N)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    r_i = tl.full([], FP8_MIN_SCALE, tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    bt_row = bt_ptr + pid_b.to(tl.int64) * stride_btb
-    page = _tile_pages(bt_row, start, seqlen, BLOCK_N, PAGE_SIZE)
-    for start_n in tl.range(start, full_end, BLOCK_N, num_stages=NUM_STAGES):
-        next_page = _tile_pages(bt_row, start_n + BLOCK_N, seqlen, BLOCK_N, PAGE_SIZE)
-        acc0, acc1, acc2, acc3, m_i, l_i, r_i = _attend_tile_fp8(
-            acc0, acc1, acc2, acc3, m_i, l_i, r_i, q0, q1, q2, q3, q_pe, nope_factor, qk_scale,
-            kv_ptr, page, start_n, seqlen, vis_len, stride_page, stride_tok,
-            COMPUTE, DOT, DOT_PRECISION, PAGE_SIZE, BLOCK_N, False)
-        page = next_page
-    page = _tile_pages(bt_row, full_end, seqlen, BLOCK_N, PAGE_SIZE)
-    for start_n in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
-        next_page = _tile_pages(bt_row, start_n + BLOCK_N, seqlen, BLOCK_N, PAGE_SIZE)
-        acc0, acc1, acc2, acc3, m_i, l_i, r_i = _attend_tile_fp8(
-            acc0, acc1, acc2, acc3, m_i, l_i, r_i, q0, q1, q2, q3, q_pe, nope_factor, qk_scale,
-            kv_ptr, page, start_n, seqlen, vis_len, stride_page, stride_tok,
-            COMPUTE, DOT, DOT_PRECISION, PAGE_SIZE, BLOCK_N, True)
-        page = next_page
-
-    inv_l, lse = _finish(m_i, l_i)
-    inv_l = inv_l * r_i        # the accumulators hold out / r
-    if IS_SPLIT:
-        o_rows = part_out_ptr + pid_b.to(tl.int64) * stride_pob + pid_s * stride_pos + offs_r * stride_por
-        lse_ptrs = part_lse_ptr + pid_b * stride_plb + pid_s * stride_pls + offs_r
-    else:
-        o_rows = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
-        lse_ptrs = lse_ptr + pid_b * stride_lb + tok * stride_ls + head
-    _store_cols(o_rows, acc0 * inv_l[:, None], 0, row_ok, 128, 512)
-    _store_cols(o_rows, acc1 * inv_l[:, None], 128, row_ok, 128, 512)
-    _store_cols(o_rows, acc2 * inv_l[:, None], 256, row_ok, 128, 512)
-    _store_cols(o_rows, acc3 * inv_l[:, None], 384, row_ok, 128, 512)
-    tl.store(lse_ptrs, lse, mask=row_ok)
+        o_row = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
+        tl.store(o_row[:, None] + (col_a + offs_c)[None, :], out_a.to(out_ptr.dtype.element_ty), mask=mask_a)
+        if V_SPLIT == 1:
+            tl.store(o_row[:, None] + (col_b + offs_c)[None, :], out_b.to(out_ptr.dtype.element_ty), mask=mask_b)
+        tl.store(lse_ptr + pid_b * stride_lb + tok * stride_ls + head, lse, mask=row_ok & (v_part == 0))
 
 
 @triton.jit
@@ -466,30 +366,19 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         raise ValueError(f"FP8 KV needs head_dim_v {fp8_format.KV_LORA_RANK}, got {head_dim_v}")
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)  # unused pointers when not split
-    common = (q, kv_cache, block_table, cache_seqlens.contiguous(), out, lse, po, pl,
-              softmax_scale * _LOG2E, plan.num_splits, h, s_q, s_q * h,
-              q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-              out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-              po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if kv_fp8:
-        if cfg.v_split != 1 or cfg.lazy_rescale:
-            raise ValueError(f"FP8 KV takes v_split 1 and lazy_rescale False, got {cfg}")
-        # fp16 holds every e4m3 value exactly (kernels/triton/common.py); float32 queries keep float32
-        dot = tl.float32 if q.dtype == torch.float32 else tl.float16
-        _mla_decode_fp8_kernel[(b * triton.cdiv(s_q * h, cfg.block_h), plan.num_splits)](
-            *common, CAUSAL=causal, COMPUTE=_TL_DTYPES[q.dtype], DOT=dot, DOT_PRECISION=precision,
-            PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IS_SPLIT=split,
-            NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    else:
-        _mla_decode_kernel[(b * triton.cdiv(s_q * h, cfg.block_h) * cfg.v_split, plan.num_splits)](
-            *common, CAUSAL=causal, COMPUTE=_TL_DTYPES[q.dtype], DOT_PRECISION=precision,
-            PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, HALF=block_v // 2,
-            BLOCK_PE=max(16, triton.next_power_of_2(dim_pe)) if dim_pe else 16, HEAD_DIM_V=head_dim_v, DIM_PE=dim_pe,
-            V_SPLIT=cfg.v_split, IS_SPLIT=split, NUM_STAGES=cfg.num_stages, LAZY_RESCALE=cfg.lazy_rescale,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    grid = (b * triton.cdiv(s_q * h, cfg.block_h) * cfg.v_split, plan.num_splits)
+    _mla_decode_kernel[grid](
+        q, kv_cache, block_table, cache_seqlens.contiguous(), out, lse, po, pl,
+        softmax_scale * _LOG2E, plan.num_splits, h, s_q, s_q * h,
+        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        CAUSAL=causal, COMPUTE=_TL_DTYPES[q.dtype], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, HALF=block_v // 2,
+        BLOCK_PE=max(16, triton.next_power_of_2(dim_pe)) if dim_pe else 16, HEAD_DIM_V=head_dim_v, DIM_PE=dim_pe,
+        V_SPLIT=cfg.v_split, IS_FP8=kv_fp8, IS_SPLIT=split, NUM_STAGES=cfg.num_stages, LAZY_RESCALE=cfg.lazy_rescale,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     if split:
         block_c = min(128, block_v)
         _combine_kernel[(b * s_q * h, triton.cdiv(head_dim_v, block_c))](

@@ -16,9 +16,8 @@ and the second one finds them in L2. When tokens x head blocks cannot fill the G
 decode batches) the top-k is split across programs and a second kernel merges the splits
 through their lse.
 
-FP8 KV (the 656-byte format of `kernels/fp8_format.py`) has a kernel of its own that never
-dequantizes it: the e4m3 tiles go to the tensor cores as fp16 (exact) and the per-128-column
-scales multiply QK and P instead (kernels/triton/common.py says how).
+FP8 KV (the 656-byte format of `kernels/fp8_format.py`) is dequantized in registers: the e4m3
+c_kv bytes times their per-128-tile scale, k_pe read as bf16; both converted to q's dtype.
 
 What Triton 3.6 makes of it on sm_90a (ptxas -v, checked without a GPU): with num_stages >= 2 the
 row gather becomes cp.async into a double buffer that both wgmma dots read (each row reaches shared
@@ -34,9 +33,12 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import fp8_format
-from mlaserve.kernels.triton.common import FP8_MIN_SCALE, fp8_qk, fp8_query, fp8_rope, fp8_softmax_pv, fp8_tile
+from mlaserve.kernels.triton.common import fp8_kv_values
 
 _LOG2E = 1.4426950408889634
+# Byte offsets inside one FP8 row, as constants the kernel can fold.
+_FP8_SCALE_OFFSET = tl.constexpr(fp8_format.SCALE_OFFSET)
+_FP8_ROPE_OFFSET = tl.constexpr(fp8_format.ROPE_OFFSET)
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,9 @@ def default_config(tokens: int, h: int, topk: int, kv_fp8: bool, head_dim_v: int
 
 @triton.jit
 def _load_kv_rows(kv_ptr, rows, valid, stride_kv, offs_v, offs_r,
-                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
-    """Cache rows `rows` (int64 [BLOCK_N]) -> (kv_v [BLOCK_N, BLOCK_DV], kv_r [BLOCK_N, BLOCK_DR]).
+                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+                  KV_FP8: tl.constexpr, TILE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Cache rows `rows` (int64 [BLOCK_N]) -> (kv_v [BLOCK_N, BLOCK_DV], kv_r [BLOCK_N, BLOCK_DR]) in OUT_DTYPE.
 
     kv_v is columns [0, DV) (V and the nope part of K), kv_r columns [DV, DV + DR) (the rope part).
     Rows where `valid` is false read as zeros and touch no memory, so poisoned slots stay unread.
@@ -140,8 +143,21 @@ def _load_kv_rows(kv_ptr, rows, valid, stride_kv, offs_v, offs_r,
         mask_v = mask_v & (offs_v[None, :] < DV)
     if BLOCK_DR != DR:
         mask_r = mask_r & (offs_r[None, :] < DR)
-    kv_v = tl.load(row_ptr[:, None] + offs_v[None, :], mask=mask_v, other=0.0)
-    kv_r = tl.load(row_ptr[:, None] + DV + offs_r[None, :], mask=mask_r, other=0.0)
+    if KV_FP8:
+        # 656-byte rows: e4m3 c_kv [0, 512), fp32 scales [512, 528), bf16 k_pe [528, 656).
+        NUM_TILES: tl.constexpr = BLOCK_DV // TILE
+        ckv = tl.load(row_ptr[:, None] + offs_v[None, :], mask=mask_v, other=0)
+        ckv = ckv.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale_ptr = (row_ptr + _FP8_SCALE_OFFSET).to(tl.pointer_type(tl.float32))
+        scale = tl.load(scale_ptr[:, None] + tl.arange(0, NUM_TILES)[None, :], mask=valid[:, None], other=0.0)
+        kv_v = tl.reshape(tl.reshape(ckv, [ckv.shape[0], NUM_TILES, TILE]) * scale[:, :, None],
+                          [ckv.shape[0], BLOCK_DV])
+        kv_v = fp8_kv_values(kv_v, OUT_DTYPE)
+        pe_ptr = (row_ptr + _FP8_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16))
+        kv_r = tl.load(pe_ptr[:, None] + offs_r[None, :], mask=mask_r, other=0.0).to(OUT_DTYPE)
+    else:
+        kv_v = tl.load(row_ptr[:, None] + offs_v[None, :], mask=mask_v, other=0.0)
+        kv_r = tl.load(row_ptr[:, None] + DV + offs_r[None, :], mask=mask_r, other=0.0)
     return kv_v, kv_r
 
 
@@ -152,9 +168,10 @@ def _sparse_mla_kernel(
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     H, TOPK, SPLIT_LEN, qk_scale_log2,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NORMALIZE_TO_OUT_DTYPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr, TILE: tl.constexpr, NORMALIZE_TO_OUT_DTYPE: tl.constexpr,
 ):
-    """One program: BLOCK_H heads of one token over indices [split * SPLIT_LEN, +SPLIT_LEN) (bf16/fp16/fp32 KV).
+    """One program: BLOCK_H heads of one token over indices [split * SPLIT_LEN, +SPLIT_LEN).
 
     q [T, H, DV + DR]; idx int32 [T, TOPK]; out [splits, T, H, DV]; lse f32 [splits, T, H].
     """
@@ -189,7 +206,7 @@ def _sparse_mla_kernel(
         slots = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
         valid = slots >= 0
         kv_v, kv_r = _load_kv_rows(kv_ptr, slots.to(tl.int64), valid, stride_kv, offs_v, offs_r,
-                                   DV, DR, BLOCK_DV, BLOCK_DR)
+                                   DV, DR, BLOCK_DV, BLOCK_DR, KV_FP8, TILE, q_nope.dtype)
         # -- compute qk (log2 units) --
         qk = tl.dot(q_nope, tl.trans(kv_v))
         qk = tl.dot(q_pe, tl.trans(kv_r), qk)
@@ -215,74 +232,6 @@ def _sparse_mla_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         tl.store(o_ptrs, out, mask=o_mask)
-    tl.store(lse_ptr + pid_s * stride_ls + pid_t * stride_lt + offs_h, lse, mask=mask_h)
-
-
-@triton.jit
-def _store_tile(o_rows, o, col0, mask_h, TO_OUT_DTYPE: tl.constexpr):
-    """o fp32 [BLOCK_H, 128] -> columns col0 .. col0 + 127 of rows o_rows (in their dtype if TO_OUT_DTYPE)."""
-    if TO_OUT_DTYPE:
-        o = o.to(o_rows.dtype.element_ty)
-    tl.store(o_rows[:, None] + (col0 + tl.arange(0, 128))[None, :], o, mask=mask_h[:, None])
-
-
-@triton.jit
-def _sparse_mla_fp8_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_kv, stride_it,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    H, TOPK, SPLIT_LEN, qk_scale_log2,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NORMALIZE_TO_OUT_DTYPE: tl.constexpr,
-):
-    """As `_sparse_mla_kernel`, over FP8 656-byte rows (d_qk 576, head_dim_v 512), never dequantized."""
-    pid_h = tl.program_id(0)
-    pid_t = tl.program_id(1).to(tl.int64)
-    pid_s = tl.program_id(2)
-
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    q_rows = q_ptr + pid_t * stride_qt + offs_h * stride_qh
-    q0, q1, q2, q3, q_down = fp8_query(q_rows, mask_h, DOT)
-    nope_factor = q_down * qk_scale_log2
-    q_pe = tl.load(q_rows[:, None] + (512 + tl.arange(0, 64))[None, :], mask=mask_h[:, None], other=0.0)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    r_i = tl.full([], FP8_MIN_SCALE, tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-
-    start = pid_s * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, TOPK)
-    idx_row = idx_ptr + pid_t * stride_it
-    for n0 in range(start, end, BLOCK_N):
-        # -- gather BLOCK_N rows by slot id; -1 and the tail past `end` read nothing --
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        slots = tl.load(idx_row + offs_n, mask=offs_n < end, other=-1)
-        valid = slots >= 0
-        row_off = slots.to(tl.int64) * stride_kv
-        k0, c0 = fp8_tile(kv_ptr, row_off, valid, 0, DOT, True)
-        k1, c1 = fp8_tile(kv_ptr, row_off, valid, 1, DOT, True)
-        k2, c2 = fp8_tile(kv_ptr, row_off, valid, 2, DOT, True)
-        k3, c3 = fp8_tile(kv_ptr, row_off, valid, 3, DOT, True)
-        kv_pe = fp8_rope(kv_ptr, row_off, valid, q_pe.dtype, True)
-        qk = tl.dot(q_pe, tl.trans(kv_pe), input_precision=DOT_PRECISION) * qk_scale_log2
-        qk += fp8_qk(q0, q1, q2, q3, k0, k1, k2, k3, c0, c1, c2, c3, DOT_PRECISION) * nope_factor[:, None]
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        acc0, acc1, acc2, acc3, m_i, l_i, r_i = fp8_softmax_pv(
-            qk, m_i, l_i, r_i, acc0, acc1, acc2, acc3, k0, k1, k2, k3, c0, c1, c2, c3, DOT, DOT_PRECISION, True)
-
-    empty = l_i == 0.0
-    inv_l = r_i / tl.where(empty, 1.0, l_i)       # the accumulators hold out / r
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)  # ln 2
-    o_rows = out_ptr + pid_s * stride_os + pid_t * stride_ot + offs_h * stride_oh
-    _store_tile(o_rows, acc0 * inv_l[:, None], 0, mask_h, NORMALIZE_TO_OUT_DTYPE)
-    _store_tile(o_rows, acc1 * inv_l[:, None], 128, mask_h, NORMALIZE_TO_OUT_DTYPE)
-    _store_tile(o_rows, acc2 * inv_l[:, None], 256, mask_h, NORMALIZE_TO_OUT_DTYPE)
-    _store_tile(o_rows, acc3 * inv_l[:, None], 384, mask_h, NORMALIZE_TO_OUT_DTYPE)
     tl.store(lse_ptr + pid_s * stride_ls + pid_t * stride_lt + offs_h, lse, mask=mask_h)
 
 
@@ -368,28 +317,17 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, block_h=N
 
     block_dv = triton.next_power_of_2(head_dim_v)
     grid = (triton.cdiv(h, cfg.block_h), tokens, splits)
-    common = (q_t, kv_rows, idx, part_out, part_lse,
-              q_t.stride(0), q_t.stride(1), kv_rows.stride(0), idx.stride(0),
-              part_out.stride(0) if splits > 1 else 0, h * head_dim_v, head_dim_v,
-              part_lse.stride(0) if splits > 1 else 0, h,
-              h, topk, split_len, float(softmax_scale) * _LOG2E)
-    if kv_fp8:
-        if (d_qk, head_dim_v) != (fp8_format.D_QK, fp8_format.KV_LORA_RANK):
-            raise ValueError(f"FP8 KV needs d_qk {fp8_format.D_QK} and head_dim_v {fp8_format.KV_LORA_RANK}, "
-                             f"got {d_qk} and {head_dim_v}")
-        # fp16 holds every e4m3 value exactly (kernels/triton/common.py); float32 queries keep float32
-        _sparse_mla_fp8_kernel[grid](
-            *common, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-            DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NORMALIZE_TO_OUT_DTYPE=splits == 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    else:
-        _sparse_mla_kernel[grid](
-            *common, DV=head_dim_v, DR=dr, BLOCK_DV=block_dv, BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NORMALIZE_TO_OUT_DTYPE=splits == 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    _sparse_mla_kernel[grid](
+        q_t, kv_rows, idx, part_out, part_lse,
+        q_t.stride(0), q_t.stride(1), kv_rows.stride(0), idx.stride(0),
+        part_out.stride(0) if splits > 1 else 0, h * head_dim_v, head_dim_v,
+        part_lse.stride(0) if splits > 1 else 0, h,
+        h, topk, split_len, float(softmax_scale) * _LOG2E,
+        DV=head_dim_v, DR=dr, BLOCK_DV=block_dv, BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        KV_FP8=kv_fp8, TILE=fp8_format.TILE, NORMALIZE_TO_OUT_DTYPE=splits == 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     if splits > 1:
         _combine_splits_kernel[(tokens * h,)](
             part_out, part_lse, out, lse, splits, tokens * h,
