@@ -37,6 +37,8 @@ PHASES=",${PHASES:-env,install,pytest,bench},"
 SUMMARY=()
 
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# the commit scripts/pack_for_device.sh recorded (run it right before each call): results carry it
+if [ -f .peers/GIT_COMMIT ]; then export MLASERVE_GIT_COMMIT=$(cat .peers/GIT_COMMIT); fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
 # NVLink multicast stays off (KINDS.md); single-GPU work here, but keep the machine's rule explicit.

@@ -13,6 +13,7 @@ On a CPU only `--quick` shapes make sense; limits are skipped there (the JSON sa
 
 import argparse
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -75,6 +76,10 @@ def _split(value: str, allowed, what: str) -> list[str]:
 
 
 def git_commit() -> str:
+    # scripts/device_run.sh sets this from the commit scripts/pack_for_device.sh recorded: the device's copy
+    # of the tree may carry a stale .git of its own
+    if os.environ.get("MLASERVE_GIT_COMMIT"):
+        return os.environ["MLASERVE_GIT_COMMIT"] + " (recorded by scripts/pack_for_device.sh)"
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True, timeout=10)
         if head.returncode == 0:
