@@ -185,15 +185,34 @@ def test_fp8_round_trip_within_e4m3_bound():
     torch.testing.assert_close(back[:, 512:], kv[:, 512:].bfloat16().float(), rtol=0, atol=0)
 
 
+def test_fp8_scales_are_bf16_values_at_most_2_pow_7():
+    """Kernels multiply e4m3 values by scale * 2^120 in bf16 (kernels/triton/common.py): every scale must be
+    a bf16 value below 2^8; tiles past 448 * 2^7 saturate instead of overflowing."""
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(64, 576, generator=gen) * torch.logspace(-8, 6, 64)[:, None]
+    packed = ops.quantize_kv_fp8(kv)
+    scales = packed[:, 512:528].contiguous().view(torch.float32)
+    assert torch.equal(scales.bfloat16().float(), scales)
+    assert scales.max() == 128.0 and (scales <= 128.0).all()
+    amax = kv[:, :512].abs().view(64, 4, 128).amax(-1)
+    ok = amax <= 448 * 128
+    assert (amax[ok] / scales[ok] <= 448.0).all()                  # never clipped below the limit
+    back = ops.dequantize_kv_fp8(packed).float()[:, :512].view(64, 4, 128)
+    assert (back[~ok].abs().amax(-1) == 448.0 * 128).all()          # saturated past it
+
+
 def test_fp8_layout_byte_for_byte():
     kv = torch.zeros(576)
     kv[:128] = 448.0 * 2          # tile 0: amax 896 -> scale 2
-    kv[130] = -1.0                # tile 1: amax 1 -> scale 1/448
+    kv[130] = -1.0                # tile 1: amax 1 -> scale 1/448, rounded up to a bf16 value
     kv[512] = 1.5                 # k_pe[0]
     packed = ops.quantize_kv_fp8(kv)
     assert packed.shape == (656,)
     scales = packed[512:528].view(torch.float32)
-    torch.testing.assert_close(scales, torch.tensor([2.0, 1 / 448.0, 1e-10, 1e-10]))
+    # the smallest bf16 values >= 1/448 and >= 1e-10 (1/448 = 0x3B12 4925 in fp32 bits: rounds up to 0x3B13)
+    up = torch.tensor([0x3B13, 0x2EDC], dtype=torch.int16).view(torch.bfloat16).float()
+    assert up[0] >= 1 / 448 and up[1] >= 1e-10 and up[0].bfloat16().float() == up[0]
+    torch.testing.assert_close(scales, torch.tensor([2.0, up[0], up[1], up[1]]), rtol=0, atol=0)
     e4m3 = packed[:512].view(torch.float8_e4m3fn).float()
     assert e4m3[0] == 448.0 and e4m3[130] == -448.0
     assert packed[528:530].view(torch.bfloat16).item() == 1.5

@@ -27,6 +27,11 @@ PACKED_BYTES = ROPE_OFFSET + 2 * ROPE_DIM   # 656
 E4M3_MAX = 448.0
 # A tile of zeros still gets a positive scale, so that dequantization never divides by zero.
 MIN_SCALE = 1e-10
+# Scales are bf16 values no larger than 2^7 (c_kv magnitudes up to 448 * 2^7 = 57344; larger ones saturate):
+# then a kernel forms e4m3 * scale with no conversion instruction — the bf16 whose bits are an e4m3 byte's
+# sign | exponent-and-mantissa << 4 is that byte's value times 2^-120, and one bf16 multiply by
+# scale * 2^120 (exact, < 2^128) rounds the product once, to the format's value.
+MAX_SCALE = 128.0
 
 
 def quantize(kv: torch.Tensor) -> torch.Tensor:
@@ -34,7 +39,7 @@ def quantize(kv: torch.Tensor) -> torch.Tensor:
     lead = kv.shape[:-1]
     flat = kv.reshape(-1, D_QK)
     ckv = flat[:, :KV_LORA_RANK].float().view(-1, NUM_TILES, TILE)
-    scale = (ckv.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)  # [n, 4]
+    scale = _bf16_at_least((ckv.abs().amax(dim=-1) / E4M3_MAX).clamp(MIN_SCALE, MAX_SCALE))  # [n, 4]
     q = (ckv / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     out = torch.empty(flat.shape[0], PACKED_BYTES, dtype=torch.uint8, device=kv.device)
     out[:, :SCALE_OFFSET] = q.view(-1, KV_LORA_RANK).view(torch.uint8)
@@ -42,6 +47,14 @@ def quantize(kv: torch.Tensor) -> torch.Tensor:
     kpe = flat[:, KV_LORA_RANK:].to(torch.bfloat16).contiguous()
     out[:, ROPE_OFFSET:] = kpe.view(torch.uint8)
     return out.view(*lead, PACKED_BYTES)
+
+
+def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """float32 x > 0 -> the smallest bf16 value >= x, as float32 (so that amax / scale stays <= 448)."""
+    b = x.to(torch.bfloat16)
+    below = b.float() < x
+    b = torch.where(below, (b.view(torch.int16) + 1).view(torch.bfloat16), b)
+    return b.float()
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
