@@ -53,7 +53,7 @@ def _cfg(heads):
 ])
 def test_auto_chooses_per_step(heads, extend, want):
     cfg = _cfg(heads)
-    auto = AutoBackend(cfg, _Fake(cfg, "triton"), _Fake(cfg, "flashinfer"))
+    auto = AutoBackend(cfg, _Fake(cfg, "triton"), (_Fake(cfg, "flashinfer"), _Fake(cfg, "cutedsl_mla")))
     layout = BatchLayout.build([4] * len(extend), extend, [[1, 2]] * len(extend), 64, "cpu")
     meta = auto.plan(layout)
     assert auto.mla(None, None, layout, meta, 0.1, 512) == (want, f"{want}-plan")
@@ -65,8 +65,28 @@ def test_auto_without_peer_and_for_dsa():
     auto = AutoBackend(cfg, primary)
     layout = BatchLayout.build([4], [1], [[1]], 64, "cpu")
     assert auto.sparse_mla(None, None, None, layout, auto.plan(layout), 0.1, 512) == ("triton", "triton-plan")
-    with_peer = AutoBackend(cfg, primary, _Fake(cfg, "flashinfer"))
+    with_peer = AutoBackend(cfg, primary, (_Fake(cfg, "flashinfer"),))
     with pytest.raises(RuntimeError, match="auto chose 'flashinfer' for this step, which has no DSA kernels"):
         with_peer.sparse_mla(None, None, None, layout, with_peer.plan(layout), 0.1, 512)
     # what the registry builds for DSA layers has no peer
-    assert registry.create("auto", _cfg(128), dsa=True).decode_peer is None
+    assert registry.create("auto", _cfg(128), dsa=True).decode_peers == ()
+
+
+@pytest.mark.parametrize("runnable,want", [
+    ({"triton", "flashinfer", "cutedsl_mla"}, ("flashinfer", "cutedsl_mla")),
+    ({"triton", "cutedsl_mla"}, ("cutedsl_mla",)),       # no FlashInfer: the CuTe DSL kernel takes DECODE
+    ({"triton"}, ()),
+])
+def test_auto_decode_peers_are_those_that_run_here(monkeypatch, runnable, want):
+    """The registry gives auto the decode peers that can run with the config, in the measured order."""
+    cfg = BackendConfig(num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        kv_cache_dtype="auto", device=torch.device("cuda"))
+    monkeypatch.setattr(registry, "unavailable_reason",
+                        lambda name, config: None if name in runnable else f"{name} cannot run in this test")
+    monkeypatch.setattr(registry, "_load", lambda name: (lambda config, **kw: _Fake(config, name)))
+    auto = registry.create("auto", cfg)
+    assert auto.primary.name == "triton"
+    assert tuple(p.name for p in auto.decode_peers) == want
+    layout = BatchLayout.build([4], [1], [[1]], 64, "cpu")
+    assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == (want[0] if want else "triton")
+    assert registry.create("auto", cfg, dsa=True).decode_peers == ()

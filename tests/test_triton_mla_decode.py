@@ -267,7 +267,7 @@ def test_backend_availability():
     assert registry.unavailable_reason("triton", _config(kv_cache_dtype="fp8_e4m3", rank=512, rope=64)) is None
     # on the CPU, "auto" takes the reference: the interpreter is for tests
     auto = registry.create("auto", _config())
-    assert auto.primary.name == "torch" and auto.decode_peer is None
+    assert auto.primary.name == "torch" and auto.decode_peers == ()
 
 
 def test_graph_hooks_write_static_buffers():

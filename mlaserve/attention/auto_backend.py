@@ -1,11 +1,13 @@
 """`auto`: for each step, the backend measured fastest for its shape, among those that run here.
 
-Measured on the H200 (bench/results/h200-20261130-0081d29e95a6.json, CUDA-graph timing, bf16 KV,
-page 64): for DECODE steps FlashInfer's fa3 MLA beats mlaserve's Triton kernel from 32 query rows
-per request on (Triton at 0.5-0.75x of it), and the two are level at 16 rows (0.95-1.05x).
-FlashInfer cannot read the FP8 cache, has no DSA kernels and no CUDA-graph hooks here, so those,
-EXTEND steps and everything on the CPU stay with the primary backend: triton on a GPU, torch on
-the CPU (where Triton would only run through its interpreter).
+Measured on the H200 (bench/results/h200-20261130-0081d29e95a6.json and
+h200-20261130-cutedsl-first.json, CUDA-graph timing, bf16 KV, page 64), DECODE steps: from 32 query
+rows per request on, FlashInfer's fa3 MLA and mlaserve's CuTe DSL kernel both beat the Triton kernel
+(Triton at 0.5-0.75x of FlashInfer, the CuTe DSL kernel 1.6-1.7x Triton's speed at 64-256 rows); at
+16 rows all three are level (0.95-1.05x). The registry hands the decode peers that can run here in
+the order measured fastest first. Peers without an FP8 cache path, DSA kernels or CUDA-graph hooks
+are never asked for those: EXTEND steps, DSA layers and everything on the CPU stay with the primary
+backend — triton on a GPU, torch on the CPU (where Triton would only run through its interpreter).
 """
 
 from dataclasses import dataclass
@@ -13,8 +15,8 @@ from dataclasses import dataclass
 from mlaserve.attention.base import AttentionBackend, BackendConfig
 from mlaserve.attention.batch import BatchLayout, ForwardMode
 
-# DECODE steps with at least this many query rows (heads x new tokens) per request go to FlashInfer.
-FLASHINFER_MIN_ROWS = 32
+# DECODE steps with at least this many query rows (heads x new tokens) per request go to a decode peer.
+DECODE_PEER_MIN_ROWS = 32
 
 
 @dataclass
@@ -26,16 +28,18 @@ class AutoMeta:
 class AutoBackend(AttentionBackend):
     name = "auto"
 
-    def __init__(self, config: BackendConfig, primary: AttentionBackend, decode_peer: AttentionBackend | None = None):
-        """primary: runs everything the peer does not; decode_peer: FlashInfer, when it can run here."""
+    def __init__(self, config: BackendConfig, primary: AttentionBackend,
+                 decode_peers: tuple[AttentionBackend, ...] = ()):
+        """primary: runs everything the peers do not; decode_peers: backends that can run this config's
+        DECODE steps here, fastest first (the first one takes them all)."""
         super().__init__(config)
         self.primary = primary
-        self.decode_peer = decode_peer
+        self.decode_peers = tuple(decode_peers)
 
     def choose(self, layout: BatchLayout) -> AttentionBackend:
-        if (self.decode_peer is not None and layout.mode is ForwardMode.DECODE
-                and self.config.num_heads * max(layout.extend_lens, default=1) >= FLASHINFER_MIN_ROWS):
-            return self.decode_peer
+        if (self.decode_peers and layout.mode is ForwardMode.DECODE
+                and self.config.num_heads * max(layout.extend_lens, default=1) >= DECODE_PEER_MIN_ROWS):
+            return self.decode_peers[0]
         return self.primary
 
     def plan(self, layout: BatchLayout) -> AutoMeta:

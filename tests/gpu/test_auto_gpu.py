@@ -28,7 +28,7 @@ def test_auto_takes_flashinfer_for_decode_and_matches_triton(tmp_path):
         llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=backend, page_size=64, num_pages=64)
         if backend == "auto":
             dense = llm.engine.runner.dense
-            assert dense.primary.name == "triton" and dense.decode_peer.name == "flashinfer"
+            assert dense.primary.name == "triton" and dense.decode_peers[0].name == "flashinfer"
         runs[backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for a, t in zip(runs["auto"], runs["triton"]):
         # the first generated token comes from the shared EXTEND path, the rest from two different kernels
