@@ -17,11 +17,12 @@
 #   BENCH_BACKENDS    all                          comma list: torch,triton,cutedsl,flashinfer,sglang
 #   BENCH_SHAPES      ""                           comma list of substrings of shape keys ("sq1 sk8192", "decode b128")
 #   PYTEST_ARGS       tests/gpu                    what the pytest phase runs
-#   phase "cutedsl"   scripts/cutedsl_check.py (CuTe DSL kernel against the reference, then its timings) into
-#                     cutedsl.log; needs the DSL on the machine (phases cutedsl1 + cutedsl2 below); T_CUTEDSL 150
+#   phase "cutedsl"   scripts/cutedsl_check.py and scripts/cutedsl_sparse_check.py (the CuTe DSL kernels against
+#                     the reference, then their timings) into cutedsl.log / cutedsl_sparse.log; needs the DSL on
+#                     the machine (phases cutedsl1 + cutedsl2 below); T_CUTEDSL 150 each, CUTEDSL_ARGS passed on
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
-# Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log
+# Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log cutedsl_sparse.log
 #   and with tune: tune.log tune_mla_decode.json tune_sparse.json
 # The last thing printed is a short table (phases, then the headline kernel shapes).
 
@@ -123,12 +124,17 @@ if has_phase install; then
   fi
 fi
 
-# -- the CuTe DSL kernel's own check (PASS/FAIL per shape, then timings beside Triton) --
+# -- the CuTe DSL kernels' own checks (PASS/FAIL per shape, then timings beside Triton), one log each --
 if has_phase cutedsl; then
   if python3 -c "import cutlass" >/dev/null 2>&1; then
-    run_phase cutedsl-check "$(limit "${T_CUTEDSL:-150}")" "$OUT/cutedsl.log" python3 scripts/cutedsl_check.py
-    grep -E "^(PASS|FAIL)" "$OUT/cutedsl.log" | awk '{print $1}' | sort | uniq -c | tee -a "$LOG"
-    tail -n 8 "$OUT/cutedsl.log" | tee -a "$LOG"
+    for script in scripts/cutedsl_check.py scripts/cutedsl_sparse_check.py; do
+      [ -f "$script" ] || continue
+      name=$(basename "$script" .py)
+      logfile=$OUT/${name/_check/}.log
+      run_phase "$name" "$(limit "${T_CUTEDSL:-150}")" "$logfile" python3 "$script" ${CUTEDSL_ARGS:-}
+      grep -E "^(PASS|FAIL)" "$logfile" | awk '{print $1}' | sort | uniq -c | tee -a "$LOG"
+      tail -n 8 "$logfile" | tee -a "$LOG"
+    done
   else
     say "== cutedsl-check: the DSL is not on this machine (phases cutedsl1, cutedsl2 first)"
   fi
