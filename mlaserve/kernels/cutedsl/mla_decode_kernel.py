@@ -6,26 +6,34 @@ Warp roles (384 threads, three warpgroups):
 - WG 0, the producer (setmaxnreg 24): warp 0 loads the CTA's Q tile once (TMA, [64, 576]) and then
   one 64-token page per stage into a 2-stage smem ring (TMA, [64, 576] per page, page id read from
   the block table); the other three warps idle out.
-- WG 1 and WG 2, the consumers (setmaxnreg 240), split every tile's work in halves, so that
-  neither computes anything the other also computes (Triton's kernel gives both warpgroups the
-  whole QK):
-    S_w = Q K_w^T     keys 32w .. 32w+32 of the page       wgmma m64n32k16, 36 k-steps
-    row maxima exchanged through smem (named barrier); both then hold the same running max
-    P_w = exp2(S_w - m) -> smem as columns 32w .. 32w+32 of P [64, 64] (16-bit)
-    O_w += P V_w      V_w = the page's c_kv columns 256w .. 256w+256, read as MN-major B
-                                                          wgmma m64n256k16, 4 k-steps
-  Each consumer keeps its half of the row sums; they are added at the end.
+- WG 1 and WG 2, the consumers (setmaxnreg 240), "seesaw" over the tiles (FlashMLA's Hopper schedule):
+  consumer w owns the tiles t with t % 2 == w (so always ring stage w) and holds columns 256w..256w+256
+  of O. For its own tile t it computes the whole S = Q K_t^T (wgmma m64n64, K = 576), the softmax
+  against the running max m(t-1) that the other consumer published for tile t-1, and publishes m(t)
+  and P(t) through smem; both consumers then add P(t) V_t into their O half (the owner with P from
+  registers, the other with P from smem). Nothing is computed twice, and while one consumer runs its
+  softmax the tensor cores run the other's S and P V: the first slice made both consumers do softmax
+  at the same time between two waited wgmmas, leaving the tensor cores idle meanwhile, and its m64n32 S
+  (A and B from smem) reads 3 KB of smem per 16 tensor-core clocks, more than smem's 128 B/clock give
+  (m64n64: 4 KB per 32 clocks).
+
+  One own tile t of consumer w, in order (t >= 1; consumer 0 skips a-c for t = 0):
+    a. wait for P(t-1) (named barrier the other consumer arrives on), read m(t-1)
+    b. O_w, l_w rescaled to m(t-1); O_w += P(t-1) V_{t-1,w} (A from smem); release stage t-1
+    c. wait KV full(t); S = Q K_t^T
+    d. mask, m(t) = max(m(t-1), rowmax S), P = exp2(S - m(t)), l_w += rowsum P
+    e. write P(t), m(t) to smem (and zero V rows past the request's end), fence, arrive "P(t) ready"
+    f. O_w rescaled to m(t); issue O_w += P(t) V_{t,w} (A from registers); wait; release stage t
+  and after the loop, if the last tile is the other's: a, b.
+  One P buffer and one max buffer suffice: P(t) is read only by the other consumer (step b), which
+  writes P(t+1) only after its step b waited for that read; m(t) likewise.
+  Row sums: each consumer keeps the sums of its own tiles' P, scaled like its O half; at the end both
+  are at the final max and are added through smem.
 
 The rows of a CTA are `m_block * 64 + r` of the request's s_q * h query rows (row = token j * h + head).
 Keys each row may see: causal, new token j sees 0 .. seqlen - s_q + j. Only tiles that reach past the
 smallest visible length are masked, and the cache rows past the request's end in its last page are
 zeroed in smem before P V (a masked P of 0 times a NaN left in an unused slot would still be NaN).
-
-Synchronisation inside one tile (both consumers): wait full[stage] -> S -> write maxima -> BAR_MAX ->
-read maxima, P -> write P (and zero tail rows of V) -> fence.proxy.async -> BAR_P -> O += P V (waited)
--> release empty[stage]. A consumer writes the maxima of tile t+1 only after passing BAR_P of tile t
-(so the other has read tile t's), and writes P of tile t+1 only after BAR_MAX of t+1, which the other
-reaches only once its P V of tile t has completed: one buffer of each is enough.
 """
 
 import math
@@ -42,14 +50,14 @@ TILE_M = 64          # query rows per CTA: one wgmma M
 TILE_N = 64          # cached tokens per stage: one page
 D_QK = 576
 D_V = 512
-HALF_N = TILE_N // 2  # keys of S per consumer
 HALF_V = D_V // 2     # columns of O per consumer
-NUM_STAGES = 2
+NUM_STAGES = 2        # = the number of consumers: consumer w's tiles always sit in stage w
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
-BAR_MAX = 1           # named barriers (0 is __syncthreads)
-BAR_P = 2
+BAR_P_READY = 1       # + w: consumer w arrives once P and m of its tile are in smem (0 is __syncthreads)
+BAR_SUM = 3           # both consumers: row sums exchanged at the end
+BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
 CONSUMER_THREADS = 256
 
 
@@ -60,6 +68,22 @@ def _v_view(s_kv: cute.Tensor) -> cute.Tensor:
     stride is the ring's 64 * 576, not 512 * 64.
     """
     return cute.composition(s_kv, cute.make_layout((D_V, TILE_N, NUM_STAGES), stride=(TILE_N, 1, TILE_N * D_QK)))
+
+
+def _acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
+    """The register layout of an m64nN accumulator, ((2, 2, N/8), 1, 1), regrouped as the A operand of
+    k16 wgmmas, ((2, 2, 2), 1, (N/16, 1)): each k-block of 16 keys is two of the accumulator's 8-column
+    groups (the accumulator's and the A fragment's thread/value maps agree for 16-bit types)."""
+    d = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
+        stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1],
+                (d.stride[0][2][1], d.stride[2])))
+
+
+def _kv_state(t: Int32) -> pipeline.PipelineState:
+    """The consumer pipeline state of tile t: stage t % 2, phase flips every NUM_STAGES tiles."""
+    return pipeline.PipelineState(NUM_STAGES, t, t % NUM_STAGES, (t // NUM_STAGES) % 2)
 
 
 class MLADecodeSm90:
@@ -102,19 +126,23 @@ class MLADecodeSm90:
         tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
             tma_op, mKV, cute.slice_(sKV_layout, (None, None, 0)), (TILE_N, D_QK))
 
-        # S: one warpgroup, M 64 x N 32 (its half of the keys); O: one warpgroup, M 64 x N 256 (its half of V)
+        # S: one warpgroup, M 64 x N 64 (the whole tile); O: one warpgroup, M 64 x N 256 (its half of V),
+        # with P from smem (the other consumer's tile) or from registers (its own)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (TILE_M, HALF_N))
+            Float32, (1, 1, 1), (TILE_M, TILE_N))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, (1, 1, 1), (TILE_M, HALF_V))
+        tiled_mma_pv_rs = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (TILE_M, HALF_V), a_source=warpgroup.OperandSource.RMEM)
 
         @cute.struct
         class SharedStorage:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            row_max: cute.struct.MemRange[Float32, TILE_M * 2]
+            row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
@@ -124,7 +152,7 @@ class MLADecodeSm90:
         grid = (cute.ceil_div(rows, TILE_M), num_splits, batch)
         self.kernel(tma_q, mQ_tma, tma_kv, mKV_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
                     s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sP_layout,
-                    tiled_mma_qk, tiled_mma_pv).launch(
+                    tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs).launch(
             grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -132,7 +160,8 @@ class MLADecodeSm90:
                mBT: cute.Tensor, mSeqlens: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
                mPO: cute.Tensor, mPL: cute.Tensor, s_q: Int32, h: Int32, rows: Int32, num_splits: Int32,
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               sP_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+               sP_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               tiled_mma_pv_rs: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, split, batch = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -143,7 +172,8 @@ class MLADecodeSm90:
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp)
+        # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp): both
+        # consumers read every tile's V
         kv_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.kv_mbar.data_ptr(), num_stages=NUM_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -157,7 +187,7 @@ class MLADecodeSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sMax = storage.row_max.get_tensor(cute.make_layout((TILE_M, 2)))
+        sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
         sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2)))
 
         # -- this split's tokens: the request's length cut into num_splits runs of whole pages --
@@ -191,32 +221,33 @@ class MLADecodeSm90:
         else:
             # ---------------- consumers ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            cw = wg - 1                  # which half: keys 32cw.. of S, columns 256cw.. of O
+            cw = wg - 1                  # owns tiles t % 2 == cw (ring stage cw) and columns 256cw.. of O
             ctid = tidx % 128
             thr_qk = tiled_mma_qk.get_slice(ctid)
             thr_pv = tiled_mma_pv.get_slice(ctid)
-            sK_w = cute.local_tile(sKV, (HALF_N, D_QK, NUM_STAGES), (cw, 0, 0))
+            thr_pv_rs = tiled_mma_pv_rs.get_slice(ctid)
             sVt = _v_view(sKV)                                                         # [512, 64, stages]
             sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N, NUM_STAGES), (cw, 0, 0))  # [256, 64, stages]
-            sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
             tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK_w))
-            tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
+            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKV))
+            tOrPs = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
             tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w))
-            tPsP = thr_qk.partition_C(sP_w)
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
+            tOrV_rs = tiled_mma_pv_rs.make_fragment_B(thr_pv_rs.partition_B(sVt_w))
+            tPsP = thr_qk.partition_C(sP)
+            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
             acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
             acc_o.fill(0.0)
-            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N)))
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
             tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V)))
             rP = cute.make_fragment_like(acc_s, self.dtype)
+            tOrP = cute.make_tensor(rP.iterator, _acc_as_a_operand(rP.layout))   # P(t) as the A operand
 
             # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
             # the row), shared with the three other lanes of its quad.
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4
             vis = cute.make_rmem_tensor(2, Int32)      # keys visible to each of the thread's rows
-            row_m = cute.make_rmem_tensor(2, Float32)  # running max (log2 units)
-            row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
+            row_m = cute.make_rmem_tensor(2, Float32)  # the max (log2 units) O_w and row_l are scaled to
+            row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the sums of its own tiles' P
             for hr in cutlass.range_constexpr(2):
                 r_glob = m_block * TILE_M + r0 + 8 * hr
                 v = seqlen
@@ -231,71 +262,81 @@ class MLADecodeSm90:
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, NUM_STAGES)
-            for t in cutlass.range(n_tiles, unroll=1):
+            for t in cutlass.range(cw, n_tiles, 2, unroll=1):
                 tok0 = start + t * TILE_N
-                stage = kv_state.index
-                kv_pipe.consumer_wait(kv_state)
-                # -- S_w = Q K_w^T --
-                _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True)
+                own = _kv_state(t)
+                if t > 0:
+                    # -- a, b: the other consumer's tile t - 1 into this half of O --
+                    self._other_tile_pv(cw, _kv_state(t - 1), kv_pipe, sMax, r0, row_m, row_l, acc_o,
+                                        tiled_mma_pv, tOrPs, tOrV)
+                # -- c: S = Q K_t^T --
+                kv_pipe.consumer_wait(own)
+                _issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+                warpgroup.wait_group(0)
+                # -- d: mask, running max, P --
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[i] = acc_s[i] * scale_log2
                 if tok0 + TILE_N > min_vis:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        if tok0 + cw * HALF_N + tScS[i][1] >= vis[(i // 2) % 2]:
+                        if tok0 + tScS[i][1] >= vis[(i // 2) % 2]:
                             acc_s[i] = -Float32.inf
-                # -- row maxima of the whole tile: quad, then the other consumer through smem --
                 mx = cute.make_rmem_tensor(2, Float32)
-                mx[0] = -Float32.inf
-                mx[1] = -Float32.inf
+                mx[0] = row_m[0]
+                mx[1] = row_m[1]
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
-                for hr in cutlass.range_constexpr(2):
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    if ctid % 4 == 0:
-                        sMax[r0 + 8 * hr, cw] = mx[hr]
-                cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
                 alpha = cute.make_rmem_tensor(2, Float32)
                 m_base = cute.make_rmem_tensor(2, Float32)
                 for hr in cutlass.range_constexpr(2):
-                    m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], sMax[r0 + 8 * hr, 1 - cw]))
+                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
+                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
                     # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
-                    m_base[hr] = m_new
-                    if m_new == -Float32.inf:
+                    m_base[hr] = mx[hr]
+                    if mx[hr] == -Float32.inf:
                         m_base[hr] = 0.0
                     alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-                    row_m[hr] = m_new
+                    row_m[hr] = mx[hr]
                     row_l[hr] = row_l[hr] * alpha[hr]
-                # -- P_w = exp2(S_w - m) -> smem --
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     p = cute.arch.exp2(acc_s[i] - m_base[(i // 2) % 2])
                     acc_s[i] = p
                     row_l[(i // 2) % 2] = row_l[(i // 2) % 2] + p
                 rP.store(acc_s.load().to(self.dtype))
+                # -- e: publish P(t), m(t) --
                 cute.autovec_copy(rP, tPsP)
+                if ctid % 4 == 0:
+                    sMax[r0] = row_m[0]
+                    sMax[r0 + 8] = row_m[1]
                 if tok0 + TILE_N > seqlen:
-                    # cache rows past the request's end: zero this consumer's V columns (NaN * 0 is NaN)
+                    # cache rows past the request's end: zero all 512 V columns of this tile (NaN * 0 is NaN)
                     for k in cutlass.range(seqlen - tok0, TILE_N, unroll=1):
-                        sKV[k, cw * HALF_V + ctid, stage] = sKV.element_type(0.0)
-                        sKV[k, cw * HALF_V + 128 + ctid, stage] = sKV.element_type(0.0)
+                        for c in cutlass.range_constexpr(D_V // 128):
+                            sKV[k, c * 128 + ctid, own.index] = sKV.element_type(0.0)
                 # generic-proxy smem writes (P, zeroed V) become visible to wgmma's async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
-                # -- O_w = alpha O_w + P V_w --
+                cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
+                if tok0 + TILE_N > seqlen:
+                    # this consumer's own P V below reads V rows its other threads zeroed
+                    cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
+                # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
-                _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, stage], False)
-                kv_pipe.consumer_release(kv_state)
-                kv_state.advance()
+                _issue(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(own)
 
-            # -- epilogue: whole row sums (quad, then both consumers), normalize, store --
+            # the last tile is the other consumer's: its P into this half of O
+            if n_tiles > 0 and (n_tiles - 1) % 2 != cw:
+                self._other_tile_pv(cw, _kv_state(n_tiles - 1), kv_pipe, sMax, r0, row_m, row_l, acc_o,
+                                    tiled_mma_pv, tOrPs, tOrV)
+
+            # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
             for hr in cutlass.range_constexpr(2):
                 row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
                 row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
                 if ctid % 4 == 0:
                     sSum[r0 + 8 * hr, cw] = row_l[hr]
-            cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+            cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=CONSUMER_THREADS)
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
             for hr in cutlass.range_constexpr(2):
@@ -323,11 +364,42 @@ class MLADecodeSm90:
                         else:
                             mLse[batch, r] = lse[hr]
 
+    @cute.jit
+    def _other_tile_pv(self, cw: Int32, st: pipeline.PipelineState, kv_pipe: pipeline.PipelineTmaAsync, sMax: cute.Tensor,
+                       r0: Int32, row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor,
+                       tiled_mma_pv: cute.TiledMma, tOrPs: cute.Tensor, tOrV: cute.Tensor):
+        """Steps a, b for the other consumer's tile (state st): wait for its P and m, rescale this
+        consumer's O half and row sums to that m, O_w += P V_w, release the stage.
+
+        Waited and released here, before this consumer waits for its own next tile: that tile's load
+        can only start once both consumers have released the stage it reuses (this one, two tiles back),
+        so a release held back behind a late load would delay the load after it too."""
+        cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
+        # already complete (its owner waited for it before S); waited here too so that this consumer's
+        # own reads of V are ordered after the TMA by the mbarrier itself
+        kv_pipe.consumer_wait(st)
+        alpha = cute.make_rmem_tensor(2, Float32)
+        m_base = cute.make_rmem_tensor(2, Float32)
+        for hr in cutlass.range_constexpr(2):
+            m_new = sMax[r0 + 8 * hr]
+            m_base[hr] = m_new
+            if m_new == -Float32.inf:
+                m_base[hr] = 0.0
+            alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
+            row_m[hr] = m_new
+            row_l[hr] = row_l[hr] * alpha[hr]
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        _issue(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
+        warpgroup.wait_group(0)
+        kv_pipe.consumer_release(st)
+
 
 @cute.jit
-def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """acc (+)= A B over all k-blocks as one wgmma group, waited for (the operands' smem is reused next)."""
+def _issue(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+           zero_init: cutlass.Constexpr[bool]):
+    """acc (+)= A B over all k-blocks as one committed wgmma group, not waited for (the caller waits
+    with warpgroup.wait_group before it reads acc or reuses the operands' smem)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
@@ -335,4 +407,3 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: c
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
