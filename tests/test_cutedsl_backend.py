@@ -47,7 +47,6 @@ def test_plan_splits_small_batches_and_sizes_the_workspace():
 @pytest.mark.parametrize("kwargs, says", [
     (dict(page_size=32), "page_size 32"),
     (dict(head_dim_v=256), "head_dim_v 256"),
-    (dict(kv_fp8=True), "kv_fp8 True"),
 ])
 def test_plan_refuses_what_the_kernel_cannot_take(kwargs, says):
     args = dict(b=2, s_q=1, h=16, head_dim_v=512, max_pages=8, page_size=64, kv_fp8=False, device=CPU) | kwargs
@@ -59,7 +58,7 @@ def test_plan_refuses_what_the_kernel_cannot_take(kwargs, says):
 
 @pytest.mark.parametrize("change, says", [
     (dict(dtype=torch.float32), "bf16/fp16 q, got torch.float32"),
-    (dict(kv_dtype=torch.uint8), "no FP8 KV path"),
+    (dict(dtype=torch.float16, kv_dtype=torch.uint8), "bf16 q with an FP8 KV cache, got torch.float16"),
     (dict(kv_dtype=torch.float16), "kv_cache dtype torch.float16 must match q dtype torch.bfloat16"),
     (dict(d=512), r"q shape \(2, 1, 16, 512\)"),
     (dict(page=32), r"page size 64\), got shape \(8, 32, 576\)"),

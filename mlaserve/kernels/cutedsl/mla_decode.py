@@ -23,6 +23,7 @@ import time
 import torch
 import triton
 
+from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
 from mlaserve.kernels.triton.mla_decode_plan import choose_num_splits as _choose_num_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
@@ -39,7 +40,7 @@ _LOG2E = 1.4426950408889634
 # splits of at least 256 tokens (num_warps/num_stages are the Triton kernel's knobs, unused here).
 CONFIG = MLADecodeConfig(block_h=TILE_M, block_n=PAGE_SIZE, v_split=1, min_split_tokens=256)
 
-# seconds spent compiling each specialization, by compile key (dtype, causal, split)
+# seconds spent compiling each specialization, by compile key (dtype, causal, split, KV kind "16bit"/"fp8")
 compile_seconds: dict[tuple, float] = {}
 _compiled: dict[tuple, object] = {}
 
@@ -48,19 +49,44 @@ def check_supported(q_shape, q_dtype: torch.dtype, kv_shape, kv_dtype: torch.dty
     """Raise ValueError naming the values when this kernel cannot take these shapes/dtypes."""
     if q_dtype not in _DTYPES:
         raise ValueError(f"the cutedsl MLA decode takes bf16/fp16 q, got {q_dtype}")
-    if kv_dtype == torch.uint8:
-        raise ValueError("the cutedsl MLA decode has no FP8 KV path yet (uint8 [pages, page_size, 656]); "
-                         "use the triton backend for --kv-cache-dtype fp8_e4m3")
-    if kv_dtype != q_dtype:
-        raise ValueError(f"kv_cache dtype {kv_dtype} must match q dtype {q_dtype}")
     if len(q_shape) != 4 or q_shape[3] != D_QK or head_dim_v != HEAD_DIM_V:
         raise ValueError(f"the cutedsl MLA decode needs q [b, s_q, h, {D_QK}] and head_dim_v {HEAD_DIM_V}, "
                          f"got q shape {tuple(q_shape)} and head_dim_v {head_dim_v}")
-    if len(kv_shape) != 3 or kv_shape[1] != PAGE_SIZE or kv_shape[2] != D_QK:
-        raise ValueError(f"the cutedsl MLA decode needs kv_cache [pages, {PAGE_SIZE}, {D_QK}] (page size "
-                         f"{PAGE_SIZE}), got shape {tuple(kv_shape)}")
+    if kv_dtype == torch.uint8:
+        _check_fp8(q_dtype, kv_shape)
+    else:
+        if kv_dtype != q_dtype:
+            raise ValueError(f"kv_cache dtype {kv_dtype} must match q dtype {q_dtype}")
+        if len(kv_shape) != 3 or kv_shape[1] != PAGE_SIZE or kv_shape[2] != D_QK:
+            raise ValueError(f"the cutedsl MLA decode needs kv_cache [pages, {PAGE_SIZE}, {D_QK}] (page size "
+                             f"{PAGE_SIZE}), got shape {tuple(kv_shape)}")
     if q_shape[0] > MAX_BATCH:
         raise ValueError(f"the cutedsl MLA decode takes at most {MAX_BATCH} requests, got {q_shape[0]}")
+
+
+# -- FP8 KV (mla_decode_fp8_kernel.py): uint8 [pages, 64, 656], bf16 q and out --
+
+def _check_fp8(q_dtype: torch.dtype, kv_shape) -> None:
+    """The FP8 kernel's own limits: bf16 q (the dequantized tile is bf16) and page size 64."""
+    if q_dtype != torch.bfloat16:
+        raise ValueError(f"the cutedsl MLA decode takes bf16 q with an FP8 KV cache, got {q_dtype}")
+    if len(kv_shape) != 3 or kv_shape[1] != PAGE_SIZE or kv_shape[2] != fp8_format.PACKED_BYTES:
+        raise ValueError(f"the cutedsl MLA decode needs an FP8 kv_cache uint8 [pages, {PAGE_SIZE}, "
+                         f"{fp8_format.PACKED_BYTES}] (page size {PAGE_SIZE}), got shape {tuple(kv_shape)}")
+
+
+def _fp8_pointers(addresses) -> list:
+    """The FP8 kernel's 9 pointers (q, kv as int32 words, k_pe as bf16 from byte 528, block_table, seqlens,
+    out, lse, partial out, partial lse) from the tensors' 8 addresses (None: stand-ins for compiling).
+    The k_pe pointer is kv + 528, still 16-byte aligned (TMA needs it)."""
+    cutlass = importlib.import_module("cutlass")
+    cute = importlib.import_module("cutlass.cute")
+    runtime = importlib.import_module("cutlass.cute.runtime")
+    q, kv, *rest = [1 << 20 if a is None else a for a in addresses]
+    kinds = ((cutlass.BFloat16, 16, q), (cutlass.Int32, 16, kv), (cutlass.BFloat16, 16, kv + fp8_format.ROPE_OFFSET),
+             *zip((cutlass.Int32, cutlass.Int32, cutlass.BFloat16, cutlass.Float32, cutlass.Float32, cutlass.Float32),
+                  (4, 4, 16, 4, 4, 4), rest))
+    return [runtime.make_ptr(t, a, cute.AddressSpace.gmem, assumed_align=align) for t, align, a in kinds]
 
 
 def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
@@ -81,30 +107,34 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
 
     `config` must be None or this kernel's CONFIG (the signature is the Triton planner's).
     """
-    if page_size != PAGE_SIZE or head_dim_v != HEAD_DIM_V or kv_fp8:
-        raise ValueError(f"the cutedsl MLA decode plans page_size {PAGE_SIZE}, head_dim_v {HEAD_DIM_V}, bf16/fp16 "
-                         f"KV; got page_size {page_size}, head_dim_v {head_dim_v}, kv_fp8 {kv_fp8}")
+    if page_size != PAGE_SIZE or head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"the cutedsl MLA decode plans page_size {PAGE_SIZE}, head_dim_v {HEAD_DIM_V}; "
+                         f"got page_size {page_size}, head_dim_v {head_dim_v}")
     if config is not None and config != CONFIG:
         raise ValueError(f"the cutedsl MLA decode has one config {CONFIG}, got {config}")
     return _plan_mla_decode(b, s_q, h, head_dim_v, max_pages, page_size, kv_fp8, device,
                             num_splits=num_splits, config=CONFIG, workspace=workspace)
 
 
-def _kernel(dtype: torch.dtype, causal: bool, split: bool):
+def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached)."""
-    key = (dtype, causal, split)
+    key = (dtype, causal, split, "fp8" if kv_fp8 else "16bit")
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
         cute = importlib.import_module("cutlass.cute")
         cuda = importlib.import_module("cuda.bindings.driver")
-        kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
         # compile-time stand-ins: only the pointers' types and alignments matter
-        args = (*_pointers(dtype, (None,) * 8), *(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0),
-                cuda.CUstream(0))
-        elem = _cute_dtype(dtype)
+        scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         t0 = time.perf_counter()
-        fn = cute.compile(kmod.MLADecodeSm90(elem, causal=causal, is_split=split), *args)
+        if kv_fp8:
+            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
+            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split), *_fp8_pointers((None,) * 8),
+                              *scalars)
+        else:
+            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
+            fn = cute.compile(kmod.MLADecodeSm90(_cute_dtype(dtype), causal=causal, is_split=split),
+                              *_pointers(dtype, (None,) * 8), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
@@ -140,7 +170,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     check_supported(q.shape, q.dtype, kv_cache.shape, kv_cache.dtype, head_dim_v)
     b, s_q, h, _ = q.shape
     if plan is None:
-        plan = plan_mla_decode(b, s_q, h, head_dim_v, block_table.shape[1], kv_cache.shape[1], False, q.device,
+        plan = plan_mla_decode(b, s_q, h, head_dim_v, block_table.shape[1], kv_cache.shape[1],
+                               kv_cache.dtype == torch.uint8, q.device,
                                num_splits=num_splits)
     elif b > plan.max_batch or plan.rows != s_q * h or plan.head_dim_v != head_dim_v or plan.config != CONFIG:
         raise ValueError(f"plan for <= {plan.max_batch} requests x {plan.rows} rows, head_dim_v {plan.head_dim_v} "
@@ -163,8 +194,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     po, pl = (plan.partial_out, plan.partial_lse) if split else (lse, lse)  # unused pointers when not split
     cutlass = importlib.import_module("cutlass")
     cuda = importlib.import_module("cuda.bindings.driver")
-    fn = _kernel(q.dtype, bool(causal), split)
-    fn(*_pointers(q.dtype, [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]),
+    kv_fp8 = kv_cache.dtype == torch.uint8
+    addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
+    fn = _kernel(q.dtype, bool(causal), split, kv_fp8)
+    fn(*(_fp8_pointers(addresses) if kv_fp8 else _pointers(q.dtype, addresses)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(plan.num_splits), cutlass.Float32(softmax_scale * _LOG2E),
        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))

@@ -1,0 +1,481 @@
+"""The Hopper (sm_90a) MLA decode kernel over the FP8 656-byte KV format, in CuTe DSL.
+
+One CTA = 64 query rows (row = token j * h + head) x one KV split of one request, as the bf16 kernel
+(mla_decode_kernel.py). The consumers' math (S halves by keys, O halves by columns, maxima exchanged
+through smem) is duplicated from that kernel for this slice, so that its ongoing optimisation and this
+kernel do not move each other; the differences are where K and V come from.
+
+Each cached token is 656 bytes (mlaserve/kernels/fp8_format.py): 512 e4m3 c_kv bytes, 4 fp32 scales (one
+per 128 columns), 64 bf16 k_pe values. Per 64-token page:
+
+    raw ring stage (TMA)   e4m3 + scales  [64, 528 B] (the row's first 132 words)   33792 B
+                           k_pe           [64, 64] bf16, 128-byte swizzle          8192 B
+    bf16 tile (loader)     c_kv           [64, 512] bf16, 128-byte swizzle         65536 B
+
+Warp roles (384 threads):
+- WG 0, the loader (setmaxnreg 56): warp 0 issues the TMA (Q once; then per page the raw bytes and k_pe
+  into a 2-stage ring; both land on one transaction barrier). All four warps dequantize each page's e4m3
+  part into the one bf16 c_kv tile: an e4m3 byte x read as the bf16 with bits ((x & 0x7F) << 4) |
+  ((x & 0x80) << 8) is exactly x * 2^-120 (subnormals too), so one fma.rn.bf16x2 by (scale * 2^120)
+  (exact in bf16 when the scale is a bf16 value <= 2^7, which the quantizer guarantees) gives the bf16
+  nearest e4m3 * scale -- the format's value -- with no conversion instruction. 4 bytes become two bf16x2
+  words by prmt with sign replication, a shift and a mask. Rows past the request's end are written as
+  zeros (multiplier 0: the bit trick never makes NaN/inf from any byte, even 0xFF poison).
+- WG 1 and WG 2, the consumers (setmaxnreg 224): S_w = Q K_w^T over keys 32w..32w+32 (c_kv from the bf16
+  tile, k_pe straight from the raw stage), P_w to smem, O_w += P V_w over columns 256w..256w+256.
+
+Smem (limit 232448 B): Q 73728 + bf16 tile 65536 + raw ring 2 x 41984 + P 8192 + 8 mbarriers 64 +
+row maxima 512 (row sums reuse them after the loop) = 232000 B. A second bf16 tile does not fit beside
+Q, so a page's dequantization waits for the consumers' P V of the page before it (see the report in
+the module's commit for what this costs, and 32-token tiles as the way out).
+
+Barriers per page t (stage s = t % 2):
+  raw full[s]  (TMA tx 41984 B)                    loader waits, consumers wait (k_pe)
+  raw empty[s] 12 warp arrivals: 4 loader warps after dequantizing, 8 consumer warps after S
+  kv_empty     256 consumer threads after P V of t-1 -> loader may overwrite the bf16 tile
+  kv_full      128 loader threads after dequantizing t (fence.proxy.async first) -> consumers' wgmma
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+TILE_M = 64           # query rows per CTA: one wgmma M
+TILE_N = 64           # cached tokens per tile: one page
+D_QK = 576
+D_V = 512
+D_PE = D_QK - D_V
+HALF_N = TILE_N // 2
+HALF_V = D_V // 2
+RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit words (528 B)
+ROW_WORDS = 164       # 656 B
+ROPE_ELEMS = 328      # a row in bf16 elements; k_pe starts at element 264 (byte 528)
+SCALE_WORD = 128      # the scales start at byte 512
+RAW_STAGES = 2
+LOADER_REGS = 56
+CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 65536
+THREADS = 3 * 128
+LOADER_THREADS = 128
+CONSUMER_THREADS = 256
+BAR_MAX = 1
+BAR_P = 2
+EXP_120 = 120 << 23   # adds 120 to an fp32 exponent: scale * 2^120
+
+
+class MLADecodeFP8Sm90:
+    """Compiled per (causal, split); q, out bf16. Launched by mla_decode.py through `__call__`."""
+
+    def __init__(self, causal: bool, is_split: bool):
+        self.dtype = cutlass.BFloat16
+        self.causal = causal
+        self.is_split = is_split
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
+                 seqlens_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, po_ptr: cute.Pointer,
+                 pl_ptr: cute.Pointer, batch: Int32, s_q: Int32, h: Int32, num_pages: Int32, max_pages: Int32,
+                 num_splits: Int32, scale_log2: Float32, stream):
+        """q bf16 [b, s_q * h, 576]; kv: the cache uint8 [num_pages * 64, 656] as int32 words; rope: the same
+        cache as bf16 from byte 528 (k_pe, row stride 328 elements); bt int32 [b, max_pages]; seqlens int32
+        [b]; out bf16 [b, s_q * h, 512], lse fp32 [b, s_q * h]; partials (split only) fp32
+        [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]."""
+        rows = s_q * h
+        n_rows = num_pages * TILE_N
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
+        mRaw = cute.make_tensor(kv_ptr, cute.make_layout((n_rows, RAW_WORDS), stride=(ROW_WORDS, 1)))
+        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+        mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
+        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
+        mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
+                                                        stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
+        mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
+                                                        stride=(num_splits * rows, rows, 1)))
+
+        # -- smem layouts: wgmma operands K-major with the 128-byte swizzle; the raw bytes plain row-major --
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
+        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
+        sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
+        sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
+        sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES),
+                                       stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (TILE_M, D_QK))
+        tma_raw, mRaw_tma = cpasync.make_tiled_tma_atom(
+            tma_op, mRaw, cute.slice_(sRaw_layout, (None, None, 0)), (TILE_N, RAW_WORDS))
+        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(
+            tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)), (TILE_N, D_PE))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (TILE_M, HALF_N))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (TILE_M, HALF_V))
+
+        # the 1024-aligned buffers first (all multiples of 1 KB: no padding), the small arrays after them
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
+            sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
+
+        self.shared_storage = SharedStorage
+        grid = (cute.ceil_div(rows, TILE_M), num_splits, batch)
+        self.kernel(tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
+                    s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sPE_layout, sP_layout,
+                    sRaw_layout, tiled_mma_qk, tiled_mma_pv).launch(
+            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_raw: cute.CopyAtom, mRaw_tma: cute.Tensor,
+               tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, mBT: cute.Tensor, mSeqlens: cute.Tensor,
+               mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, s_q: Int32, h: Int32,
+               rows: Int32, num_splits: Int32, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               sRaw_layout: cute.Layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, split, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_raw)
+            cpasync.prefetch_descriptor(tma_pe)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        kv_full = storage.kv_mbar.data_ptr()
+        kv_empty = kv_full + 1
+        if tidx == 0:
+            cute.arch.mbarrier_init(kv_full, LOADER_THREADS)
+            cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
+        # (the pipelines' creation fences the mbarrier inits and syncs the CTA)
+        # raw stage: freed by the 4 loader warps (dequantized) and the 8 consumer warps (k_pe used in S),
+        # one elected lane per warp
+        raw_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + CONSUMER_THREADS) // 32),
+            tx_count=TILE_N * (RAW_WORDS * 4 + D_PE * 2))
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            tx_count=TILE_M * D_QK * 2)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
+        sRaw = storage.sRaw.get_tensor(sRaw_layout)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sStat = storage.row_stat.get_tensor(cute.make_layout((TILE_M, 2)))
+
+        # -- this split's tokens: the request's length cut into num_splits runs of whole pages --
+        seqlen = mSeqlens[batch]
+        split_len = ((seqlen + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
+        start = split * split_len
+        end = cutlass.min(start + split_len, seqlen)
+        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+        first_page = start // TILE_N
+
+        if wg == 0:
+            # ---------------- loader: TMA (warp 0) and dequantization (all four warps) ----------------
+            cute.arch.setmaxregister_decrease(LOADER_REGS)
+            gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
+            gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
+            tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
+                                             cute.group_modes(gRaw, 0, 2))
+            tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                             cute.group_modes(gPE, 0, 2))
+            raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RAW_STAGES)
+            if warp_idx == 0:
+                gQ = cute.local_tile(mQ_tma[None, None, batch], (TILE_M, D_QK), (m_block, 0))
+                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                 cute.group_modes(gQ, 0, 2))
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_pipe.producer_acquire(q_state)
+                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
+                if warp_idx == 0:
+                    _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, mBT[batch, first_page + t])
+                raw_p.advance()
+
+            # this thread's 8 e4m3 bytes of a row: chunk c of 64 (columns 8c..8c+7), rows 2i + (tidx // 64)
+            chunk = tidx % 64
+            raw_base = storage.sRaw.data_ptr().toint() + chunk * 8
+            # the bf16 tile's 128-byte swizzle: column block c // 8 (8 KB each), 16-byte unit (c % 8) ^ (row % 8)
+            kv_base = storage.sKV.data_ptr().toint() + (chunk // 8) * (TILE_N * 128)
+            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+            for t in cutlass.range(n_tiles, unroll=1):
+                valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
+                raw_pipe.consumer_wait(raw_c)
+                cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
+                stage_base = raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4)
+                for i in cutlass.range(TILE_N // 2, unroll=4):
+                    row = 2 * i + tidx // 64
+                    src = stage_base + row * (RAW_WORDS * 4)
+                    scale_bits = _ld_shared_b32(stage_base - chunk * 8 + row * (RAW_WORDS * 4)
+                                                + (SCALE_WORD + chunk // 16) * 4)
+                    mult = _bf16x2_hi(scale_bits + EXP_120)
+                    if row >= valid:
+                        mult = Int32(0)
+                    dst = kv_base + row * 128 + ((chunk % 8) ^ (row % 8)) * 16
+                    _dequant8(src, dst, mult)
+                # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(kv_full)
+                cute.arch.sync_warp()
+                raw_pipe.consumer_release(raw_c)
+                raw_c.advance()
+                if warp_idx == 0:
+                    if t + RAW_STAGES < n_tiles:
+                        _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs,
+                                   mBT[batch, first_page + t + RAW_STAGES])
+                raw_p.advance()
+        else:
+            # ---------------- consumers (the bf16 kernel's math; K/V from the bf16 tile and the raw stage) --------
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cw = wg - 1                  # which half: keys 32cw.. of S, columns 256cw.. of O
+            ctid = tidx % 128
+            thr_qk = tiled_mma_qk.get_slice(ctid)
+            thr_pv = tiled_mma_pv.get_slice(ctid)
+            sQ_nope = cute.local_tile(sQ, (TILE_M, D_V), (0, 0))
+            sQ_pe = cute.local_tile(sQ, (TILE_M, D_PE), (0, D_V // D_PE))
+            sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
+            sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
+            # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
+            sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+            sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
+            sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
+            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_nope))
+            tSrQpe = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_pe))
+            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK_w))
+            tSrKpe = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_w))
+            tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
+            tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w))
+            tPsP = thr_qk.partition_C(sP_w)
+            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
+            acc_o.fill(0.0)
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N)))
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V)))
+            rP = cute.make_fragment_like(acc_s, self.dtype)
+
+            # a wgmma m64 accumulator gives each thread rows r0 and r0 + 8 (value index bit 1 picks the row)
+            r0 = (ctid // 32) * 16 + (ctid % 32) // 4
+            vis = cute.make_rmem_tensor(2, Int32)      # keys visible to each of the thread's rows
+            row_m = cute.make_rmem_tensor(2, Float32)  # running max (log2 units)
+            row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
+            for hr in cutlass.range_constexpr(2):
+                r_glob = m_block * TILE_M + r0 + 8 * hr
+                v = seqlen
+                if const_expr(self.causal):
+                    v = seqlen - s_q + 1 + r_glob // h
+                vis[hr] = cutlass.min(v, seqlen)
+                row_m[hr] = -Float32.inf
+                row_l[hr] = 0.0
+            min_vis = seqlen
+            if const_expr(self.causal):
+                min_vis = cutlass.max(seqlen - s_q + 1, 0)
+
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_pipe.consumer_wait(q_state)
+            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+            for t in cutlass.range(n_tiles, unroll=1):
+                tok0 = start + t * TILE_N
+                stage = raw_c.index
+                raw_pipe.consumer_wait(raw_c)
+                cute.arch.mbarrier_wait(kv_full, t % 2)
+                # -- S_w = Q_nope K_w^T + Q_pe Kpe_w^T --
+                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage])
+                cute.arch.sync_warp()
+                raw_pipe.consumer_release(raw_c)
+                raw_c.advance()
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[i] = acc_s[i] * scale_log2
+                if tok0 + TILE_N > min_vis:
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        if tok0 + cw * HALF_N + tScS[i][1] >= vis[(i // 2) % 2]:
+                            acc_s[i] = -Float32.inf
+                # -- row maxima of the whole tile: quad, then the other consumer through smem --
+                mx = cute.make_rmem_tensor(2, Float32)
+                mx[0] = -Float32.inf
+                mx[1] = -Float32.inf
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
+                for hr in cutlass.range_constexpr(2):
+                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
+                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
+                    if ctid % 4 == 0:
+                        sStat[r0 + 8 * hr, cw] = mx[hr]
+                cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+                alpha = cute.make_rmem_tensor(2, Float32)
+                m_base = cute.make_rmem_tensor(2, Float32)
+                for hr in cutlass.range_constexpr(2):
+                    m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], sStat[r0 + 8 * hr, 1 - cw]))
+                    # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
+                    m_base[hr] = m_new
+                    if m_new == -Float32.inf:
+                        m_base[hr] = 0.0
+                    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
+                    row_m[hr] = m_new
+                    row_l[hr] = row_l[hr] * alpha[hr]
+                # -- P_w = exp2(S_w - m) -> smem --
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    p = cute.arch.exp2(acc_s[i] - m_base[(i // 2) % 2])
+                    acc_s[i] = p
+                    row_l[(i // 2) % 2] = row_l[(i // 2) % 2] + p
+                rP.store(acc_s.load().to(self.dtype))
+                cute.autovec_copy(rP, tPsP)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+                # -- O_w = alpha O_w + P V_w --
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+                _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
+                cute.arch.mbarrier_arrive(kv_empty)
+
+            # -- epilogue: whole row sums (quad, then both consumers), normalize, store. The row sums reuse
+            # the maxima's smem: the other consumer read this one's maxima before the last BAR_P. --
+            for hr in cutlass.range_constexpr(2):
+                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
+                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
+                if ctid % 4 == 0:
+                    sStat[r0 + 8 * hr, cw] = row_l[hr]
+            cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+            inv_l = cute.make_rmem_tensor(2, Float32)
+            lse = cute.make_rmem_tensor(2, Float32)
+            for hr in cutlass.range_constexpr(2):
+                total = sStat[r0 + 8 * hr, 0] + sStat[r0 + 8 * hr, 1]
+                inv_l[hr] = 0.0
+                lse[hr] = -Float32.inf
+                if total > 0.0:
+                    inv_l[hr] = 1.0 / total
+                    lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r = m_block * TILE_M + tOcO[i][0]
+                if r < rows:
+                    val = acc_o[i] * inv_l[(i // 2) % 2]
+                    col = cw * HALF_V + tOcO[i][1]
+                    if const_expr(self.is_split):
+                        mPO[batch, split, r, col] = val
+                    else:
+                        mOut[batch, r, col] = val.to(self.dtype)
+            if cw == 0 and ctid % 4 == 0:
+                for hr in cutlass.range_constexpr(2):
+                    r = m_block * TILE_M + r0 + 8 * hr
+                    if r < rows:
+                        if const_expr(self.is_split):
+                            mPL[batch, split, r] = lse[hr]
+                        else:
+                            mLse[batch, r] = lse[hr]
+
+
+@cute.jit
+def _load_page(raw_pipe, state, tma_raw: cute.CopyAtom, tRg: cute.Tensor, tRs: cute.Tensor,
+               tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, page: Int32):
+    """One page's e4m3 bytes + scales and its k_pe into raw stage state.index, on that stage's full barrier."""
+    raw_pipe.producer_acquire(state)
+    bar = raw_pipe.producer_get_barrier(state)
+    cute.copy(tma_raw, tRg[None, page], tRs[None, state.index], tma_bar_ptr=bar)
+    cute.copy(tma_pe, tPg[None, page], tPs[None, state.index], tma_bar_ptr=bar)
+
+
+@cute.jit
+def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+             tSrQpe: cute.Tensor, tSrKpe: cute.Tensor):
+    """acc = Q_nope K^T + Q_pe Kpe^T as one wgmma group, waited for (the raw stage is released next)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+        cute.gemm(atom, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    for k in cutlass.range_constexpr(cute.size(tSrQpe.shape[2])):
+        cute.gemm(atom, acc, tSrQpe[None, None, k], tSrKpe[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def _pv_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor):
+    """acc += P V over the tile's keys as one wgmma group, waited for (the bf16 tile is released next)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, True)
+    for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+        cute.gemm(atom, acc, tOrP[None, None, k], tOrV[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@dsl_user_op
+def _ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """The 32-bit word at shared address `addr`."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _bf16x2_hi(bits: Int32, *, loc=None, ip=None) -> Int32:
+    """Both halves = the upper 16 bits of `bits` (an fp32 whose value is a bf16 value: that bf16, twice)."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(bits).ir_value(loc=loc, ip=ip)], "prmt.b32 $0, $1, 0, 0x3232;", "=r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _dequant8(src: Int32, dst: Int32, mult: Int32, *, loc=None, ip=None) -> None:
+    """8 e4m3 bytes at shared `src` -> 8 bf16 (e4m3 * scale, RNE) as one 16-byte store at shared `dst`.
+
+    prmt with selector 0x9180 (0xB3A2) puts bytes 0, 1 (2, 3) into the two 16-bit halves sign-extended;
+    << 4 and the mask 0x87F0 per half leave the sign at bit 15 and exponent + mantissa at bits 4..10: the
+    bf16 of x * 2^-120. `mult` is bf16x2 (scale * 2^120, twice); the fma adds -0.0, which changes nothing.
+    """
+    llvm.inline_asm(
+        None,
+        [Int32(src).ir_value(loc=loc, ip=ip), Int32(dst).ir_value(loc=loc, ip=ip),
+         Int32(mult).ir_value(loc=loc, ip=ip)],
+        "{\n"
+        ".reg .b32 w0, w1, y0, y1, y2, y3, nz;\n"
+        "ld.shared.v2.b32 {w0, w1}, [$0];\n"
+        "mov.b32 nz, 0x80008000;\n"
+        "prmt.b32 y0, w0, 0, 0x9180;\n"
+        "prmt.b32 y1, w0, 0, 0xB3A2;\n"
+        "prmt.b32 y2, w1, 0, 0x9180;\n"
+        "prmt.b32 y3, w1, 0, 0xB3A2;\n"
+        "shl.b32 y0, y0, 4;\n"
+        "shl.b32 y1, y1, 4;\n"
+        "shl.b32 y2, y2, 4;\n"
+        "shl.b32 y3, y3, 4;\n"
+        "and.b32 y0, y0, 0x87F087F0;\n"
+        "and.b32 y1, y1, 0x87F087F0;\n"
+        "and.b32 y2, y2, 0x87F087F0;\n"
+        "and.b32 y3, y3, 0x87F087F0;\n"
+        "fma.rn.bf16x2 y0, y0, $2, nz;\n"
+        "fma.rn.bf16x2 y1, y1, $2, nz;\n"
+        "fma.rn.bf16x2 y2, y2, $2, nz;\n"
+        "fma.rn.bf16x2 y3, y3, $2, nz;\n"
+        "st.shared.v4.b32 [$1], {y0, y1, y2, y3};\n"
+        "}\n",
+        "r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
