@@ -4,6 +4,8 @@
     python scripts/cutedsl_check.py --quick    # a few shapes, no timings
     python scripts/cutedsl_check.py --compile  # compile every specialization only (works without a GPU
                                                # with CUTE_DSL_ARCH=sm_90a), print compile seconds
+    python scripts/cutedsl_check.py --fp8      # the FP8-KV kernel instead: its shapes, then FP8 vs bf16
+                                               # timings (--fp8 --quick, --fp8 --compile as above)
 
 Prints one PASS/FAIL line per shape with the max abs error against mlaserve.kernels.reference.mla_decode
 (FlashMLA's tolerances: each element within 1e-3 abs or 2/128 rel, cosine distance <= 1e-5, lse within
@@ -127,11 +129,101 @@ def bench() -> None:
         print(line, flush=True)
 
 
+# -- FP8 KV (uint8 [pages, 64, 656]): the kernel in mla_decode_fp8_kernel.py --
+
+def make_fp8_case(lens, s_q, h, seed):
+    """make_case's inputs with the cache quantized (ops.quantize_kv_fp8) and every unused slot's 656 bytes
+    0xFF (NaN scales, NaN k_pe). -> q bf16, kv uint8 [pages, 64, 656], block_table, seqlens."""
+    from mlaserve import ops
+    q, kv, table, seqlens = make_case(lens, s_q, h, torch.bfloat16, seed)
+    unused = kv.isnan().any(-1)
+    packed = ops.quantize_kv_fp8(kv.nan_to_num(0.0))
+    packed[unused] = 0xFF
+    return q, packed, table, seqlens
+
+
+def fp8_reference(q, packed, table, seqlens, causal=True):
+    """The reference on the cache's values (the bf16 nearest e4m3 * scale), in float64."""
+    from mlaserve import ops
+    return reference.mla_decode(q.double(), ops.dequantize_kv_fp8(packed).double(), table, seqlens, SCALE,
+                                causal=causal)
+
+
+def fp8_cases(quick: bool):
+    """cases()'s bf16 shapes (b 1/4/128, s_q 1/2/3, h 16/64/128, split and empty rows), FP8 KV."""
+    for c in cases(quick):
+        if c["dtype"] == torch.bfloat16:
+            yield c
+
+
+def check_fp8(quick: bool) -> int:
+    failed = 0
+    for seed, c in enumerate(fp8_cases(quick)):
+        lens = c["lens"]
+        q, kv, table, seqlens = make_fp8_case(lens, c["s_q"], c["h"], seed)
+        name = (f"fp8 b{len(lens)} s_q{c['s_q']} h{c['h']} causal={c['causal']} s_k {min(lens)}..{max(lens)} "
+                f"splits={c.get('num_splits', 'auto')}")
+        try:
+            out, lse = cd.mla_decode(q, kv, table, seqlens, SCALE, causal=c["causal"],
+                                     num_splits=c.get("num_splits"))
+            torch.cuda.synchronize()
+            ok, max_err, why = compare(out, lse, *fp8_reference(q, kv, table, seqlens, c["causal"]))
+        except Exception as e:      # a launch or compile error is this shape's FAIL line, then the next shape
+            ok, max_err, why = False, float("nan"), f"{type(e).__name__}: {e}"
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  max abs err {max_err:.2e}  {why}", flush=True)
+    return failed
+
+
+def bench_fp8() -> None:
+    """FP8 against bf16 KV, both through this kernel family, at b128 s_k 8192 (memory-bound h16 first)."""
+    import triton.testing
+    for s_q, h in ((1, 16), (1, 32), (1, 64), (1, 128), (2, 128)):
+        b, s_k = 128, 8192
+        q, kv, table, seqlens = make_case([s_k] * b, s_q, h, torch.bfloat16, 0)
+        _, kv8, _, _ = make_fp8_case([s_k] * b, s_q, h, 0)
+        plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, False, q.device)
+        flops = 2 * b * s_q * h * s_k * (576 + 512)
+        line = f"b{b} s_q{s_q} h{h} s_k{s_k} splits={plan.num_splits}:"
+        times = {}
+        for name, cache in (("bf16", kv), ("fp8", kv8)):
+            ms = triton.testing.do_bench(lambda: cd.mla_decode(q, cache, table, seqlens, SCALE, plan=plan),
+                                         warmup=50, rep=300)
+            nbytes = q.numel() * 2 + b * s_k * cache.shape[-1] * cache.element_size() + q.numel() // 576 * 512 * 2
+            times[name] = ms
+            line += f"  {name} {ms * 1e3:7.1f} us {flops / ms / 1e9:6.1f} TFLOP/s {nbytes / ms / 1e9:5.2f} TB/s"
+        print(f"{line}  fp8 speedup {times['bf16'] / times['fp8']:.2f}x", flush=True)
+
+
+def compile_fp8() -> None:
+    for causal in (True, False):
+        for split in (False, True):
+            cd._kernel(torch.bfloat16, causal, split, kv_fp8=True)
+    print("compiled fp8", {f"causal={k[1]} split={k[2]}": f"{v:.1f}s"
+                           for k, v in cd.compile_seconds.items() if k[3:] == ("fp8",)})
+
+
+def main_fp8(args) -> int:
+    if args.compile:
+        compile_fp8()
+        return 0
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "(FP8 KV)", flush=True)
+    t0 = time.perf_counter()
+    failed = check_fp8(args.quick)
+    print(f"{failed} failed; compile seconds {cd.compile_seconds}; {time.perf_counter() - t0:.0f}s", flush=True)
+    if not args.quick:
+        bench_fp8()
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
+    if args.fp8:
+        return main_fp8(args)
     if args.compile:
         for dtype in (torch.bfloat16, torch.float16):
             for causal in (True, False):

@@ -64,3 +64,37 @@ def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     ref_out, ref_lse = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
     ok, max_err, why = check.compare(g_out, g_lse, ref_out, ref_lse)
     assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
+# -- FP8 KV (uint8 [pages, 64, 656]; unused slots 0xFF): the same shapes against the reference on the
+# cache's values, and a graph replay --
+
+@pytest.mark.parametrize("case", list(check.fp8_cases(quick=False)),
+                         ids=lambda c: f"fp8-b{len(c['lens'])}-sq{c['s_q']}-h{c['h']}"
+                                       f"-causal{c['causal']}-splits{c.get('num_splits')}")
+def test_fp8_matches_reference(case):
+    q, kv, table, seqlens = check.make_fp8_case(case["lens"], case["s_q"], case["h"], seed=len(case["lens"]))
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=case["causal"],
+                             num_splits=case.get("num_splits"))
+    ok, max_err, why = check.compare(out, lse, *check.fp8_reference(q, kv, table, seqlens, case["causal"]))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
+def test_fp8_cuda_graph_replay_equals_eager():
+    b, h = 4, 64
+    lens = [1 + (977 * i) % 3000 for i in range(b)]
+    q, kv, table, seqlens = check.make_fp8_case(lens, 2, h, seed=b)
+    plan = cd.plan_mla_decode(b, 2, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
+    cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)        # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
+    q.copy_(torch.randn_like(q))
+    seqlens.copy_((seqlens - 37).clamp_min(1))
+    graph.replay()
+    torch.cuda.synchronize()
+    e_out, e_lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
+    assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
+    ok, max_err, why = check.compare(g_out, g_lse, *check.fp8_reference(q, kv, table, seqlens))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
