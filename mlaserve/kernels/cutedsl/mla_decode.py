@@ -148,13 +148,14 @@ def _cute_dtype(dtype: torch.dtype):
 def _pointers(dtype: torch.dtype, addresses) -> list:
     """Global-memory pointers for the kernel's 8 tensor arguments (q, kv, block_table, seqlens, out, lse,
     partial out, partial lse) from their addresses (None: a stand-in for compiling). q, kv and out are
-    16-byte aligned (TMA needs it; mla_decode checks q and kv), the rest 4-byte."""
+    16-byte aligned (TMA needs it; mla_decode checks q and kv), partial out 8-byte (the epilogue stores
+    fp32 pairs; mla_decode checks it), the rest 4-byte."""
     cutlass = importlib.import_module("cutlass")
     cute = importlib.import_module("cutlass.cute")
     runtime = importlib.import_module("cutlass.cute.runtime")
     elem = _cute_dtype(dtype)
     kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16),
-             (cutlass.Float32, 4), (cutlass.Float32, 4), (cutlass.Float32, 4))
+             (cutlass.Float32, 4), (cutlass.Float32, 8), (cutlass.Float32, 4))
     return [runtime.make_ptr(t, 1 << 20 if a is None else a, cute.AddressSpace.gmem, assumed_align=align)
             for (t, align), a in zip(kinds, addresses)]
 
@@ -192,6 +193,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         return out, lse
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (lse, lse)  # unused pointers when not split
+    if po.data_ptr() % 8:
+        raise ValueError(f"the plan's partial_out must start on an 8-byte boundary, got address {po.data_ptr():#x}")
     cutlass = importlib.import_module("cutlass")
     cuda = importlib.import_module("cuda.bindings.driver")
     kv_fp8 = kv_cache.dtype == torch.uint8

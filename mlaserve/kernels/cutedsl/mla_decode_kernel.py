@@ -107,10 +107,13 @@ class MLADecodeSm90:
         mKV = cute.make_tensor(kv_ptr, cute.make_layout((num_pages * TILE_N, D_QK), stride=(D_QK, 1)))
         mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
         mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
+        # strides that are multiples of D_V said so (assume), so that the epilogue's stores can be vectorized
+        rows_dv = cute.assume(rows * D_V, divby=D_V)
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows_dv, D_V, 1)))
         mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
-        mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
-                                                        stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
+        mPO = cute.make_tensor(po_ptr, cute.make_layout(
+            (batch, num_splits, rows, D_V),
+            stride=(cute.assume(num_splits * rows * D_V, divby=D_V), rows_dv, D_V, 1)))
         mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
                                                         stride=(num_splits * rows, rows, 1)))
 
@@ -347,14 +350,24 @@ class MLADecodeSm90:
                     inv_l[hr] = 1.0 / total
                     lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
-                r = m_block * TILE_M + tOcO[i][0]
-                if r < rows:
-                    val = acc_o[i] * inv_l[(i // 2) % 2]
-                    col = cw * HALF_V + tOcO[i][1]
-                    if const_expr(self.is_split):
-                        mPO[batch, split, r, col] = val
-                    else:
-                        mOut[batch, r, col] = val.to(self.dtype)
+                acc_o[i] = acc_o[i] * inv_l[(i // 2) % 2]
+            # this consumer's [64, 256] block of the output; a thread's values come in pairs of adjacent
+            # columns, which autovec_copy stores as one 4-byte (bf16) / 8-byte (fp32 partial) access
+            if const_expr(self.is_split):
+                gO = cute.local_tile(mPO[batch, split, None, None], (TILE_M, HALF_V), (m_block, cw))
+                rO = acc_o
+            else:
+                gO = cute.local_tile(mOut[batch, None, None], (TILE_M, HALF_V), (m_block, cw))
+                rO = cute.make_fragment_like(acc_o, self.dtype)
+                rO.store(acc_o.load().to(self.dtype))
+            tOgO = thr_pv.partition_C(gO)
+            if m_block * TILE_M + TILE_M <= rows:
+                cute.autovec_copy(rO, tOgO)
+            else:
+                # the last row block of a request whose s_q * h is not a multiple of 64: row by row
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    if m_block * TILE_M + tOcO[i][0] < rows:
+                        tOgO[i] = rO[i]
             if cw == 0 and ctid % 4 == 0:
                 for hr in cutlass.range_constexpr(2):
                     r = m_block * TILE_M + r0 + 8 * hr
