@@ -13,7 +13,8 @@ without host work and can be captured in a CUDA graph. The module exposes the pl
 `workspace_numel`), so the `cutedsl_mla` backend reuses that backend's planning and graph code.
 
 Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576]
-with any s_q and h, KV in q's dtype [pages, 64, 576], head_dim_v 512. `nvidia-cutlass-dsl` is
+with any s_q and h, KV in q's dtype [pages, 64, 576] or, with bf16 q, the FP8 format uint8
+[pages, 64, 656] (mla_decode_fp8_kernel.py: dequantized to bf16 in smem), head_dim_v 512. `nvidia-cutlass-dsl` is
 imported on the first launch only: checks and plans work without it.
 """
 
@@ -164,7 +165,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
                num_splits: int | None = None, plan: MLADecodePlan | None = None):
     """Absorbed MLA over a paged latent cache (semantics of mlaserve.kernels.reference.mla_decode).
 
-    q [b, s_q, h, 576] bf16/fp16; kv_cache [pages, 64, 576] in q's dtype; block_table int32 [b, max_pages];
+    q [b, s_q, h, 576] bf16/fp16; kv_cache [pages, 64, 576] in q's dtype, or uint8 [pages, 64, 656] (FP8,
+    bf16 q only); block_table int32 [b, max_pages];
     cache_seqlens int32 [b]. Returns out [b, s_q, h, 512] in q's dtype and lse float32 [b, s_q, h]
     (natural log; -inf and out 0 for rows with no visible key). Without `plan`, one is made here.
     """

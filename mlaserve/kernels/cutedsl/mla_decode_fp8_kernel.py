@@ -25,9 +25,14 @@ Warp roles (384 threads):
   tile, k_pe straight from the raw stage), P_w to smem, O_w += P V_w over columns 256w..256w+256.
 
 Smem (limit 232448 B): Q 73728 + bf16 tile 65536 + raw ring 2 x 41984 + P 8192 + 8 mbarriers 64 +
-row maxima 512 (row sums reuse them after the loop) = 232000 B. A second bf16 tile does not fit beside
-Q, so a page's dequantization waits for the consumers' P V of the page before it (see the report in
-the module's commit for what this costs, and 32-token tiles as the way out).
+row maxima 512 (row sums reuse them after the loop) = 232000 B, which the struct rounds up to its 1024-byte
+alignment: 232448, the limit exactly. A second bf16 tile does not fit beside Q, so a page's
+dequantization waits for the consumers' P V of the page before it: dequantizing (about 3 instructions
+per value on the loader's 4 warps, ~600 issue cycles a page) is not overlapped with the tensor cores.
+Double-buffered 32-token bf16 tiles (same 64 KB) would overlap it, at twice the barriers per token.
+Where rows are few (h16, s_q 1) the 64-row wgmma tiles do 4x the needed MMA work; that, not memory,
+bounds such shapes near the bf16 kernel's time (~1.2 us of wgmma a page at peak), so FP8's 1.6x there
+needs keys on wgmma's M side (S^T = K Q^T, N = rows), which this kernel does not do.
 
 Barriers per page t (stage s = t % 2):
   raw full[s]  (TMA tx 41984 B)                    loader waits, consumers wait (k_pe)
