@@ -7,7 +7,7 @@ import importlib
 import sys
 import types
 
-_MODULES = {"mla_decode": "mla_decode"}
+_MODULES = {"mla_decode": "mla_decode", "sparse_mla": "sparse_mla"}
 
 
 class _OpsPackage(types.ModuleType):

@@ -1,0 +1,180 @@
+"""Sparse MLA (DSA) for Hopper in CuTe DSL: host side (checks, split planning, compile cache, launch).
+
+The kernel (sparse_mla_kernel.py) gives each CTA 64 heads of one query token and one split of that
+token's top-k: a cp.async producer warpgroup gathers the selected cache rows into a swizzled smem ring
+and two consumer warpgroups split every tile's QK and PV in halves (its docstring has the design). Splits
+are merged by the Triton sparse kernel's `_combine_splits_kernel`, so there is one merge in the repo.
+
+Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576] with any
+h, kv_cache [pages, page_size, 576] in q's dtype with contiguous rows and pages (any page size: slots are
+page * page_size + offset of the flattened cache), indices int32 [b, s_q, topk], head_dim_v 512. FP8
+caches are refused for now. `nvidia-cutlass-dsl` is imported on the first launch only: checks and
+planning work without it.
+"""
+
+import importlib
+import time
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from mlaserve.kernels.triton.sparse_mla import choose_num_splits
+
+TILE_M = 64            # heads per CTA
+TILE_N = 64            # gathered rows per pipeline stage
+D_QK = 576
+HEAD_DIM_V = 512
+MAX_SPLITS = 65535     # the split rides on the grid's y axis
+MAX_CTAS = 2 ** 31 - 1  # head blocks x tokens on the grid's x axis
+_DTYPES = (torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+
+# seconds spent compiling each specialization, by compile key (dtype, split)
+compile_seconds: dict[tuple, float] = {}
+_compiled: dict[tuple, object] = {}
+
+
+@dataclass(frozen=True)
+class SparseSplitPlan:
+    """How one call divides each token's top-k: `num_splits` runs of `split_len` indices (a multiple of
+    TILE_N; the last run may be shorter)."""
+    num_splits: int
+    split_len: int
+
+
+def check_supported(q_shape, q_dtype: torch.dtype, kv_shape, kv_dtype: torch.dtype, indices_shape,
+                    indices_dtype: torch.dtype, head_dim_v: int) -> None:
+    """Raise ValueError naming the values when this kernel cannot take these shapes/dtypes."""
+    if q_dtype not in _DTYPES:
+        raise ValueError(f"the cutedsl sparse MLA takes bf16/fp16 q, got {q_dtype}")
+    if len(q_shape) != 4 or q_shape[3] != D_QK or head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"the cutedsl sparse MLA needs q [b, s_q, h, {D_QK}] and head_dim_v {HEAD_DIM_V}, "
+                         f"got q shape {tuple(q_shape)} and head_dim_v {head_dim_v}")
+    if kv_dtype == torch.uint8:
+        raise ValueError("the cutedsl sparse MLA does not take FP8 (uint8 656-byte) KV caches yet; "
+                         "use backend='triton' for them")
+    if kv_dtype != q_dtype:
+        raise ValueError(f"kv_cache dtype {kv_dtype} must match q dtype {q_dtype}")
+    if len(kv_shape) != 3 or kv_shape[2] != D_QK:
+        raise ValueError(f"the cutedsl sparse MLA needs kv_cache [pages, page_size, {D_QK}], "
+                         f"got shape {tuple(kv_shape)}")
+    if indices_dtype != torch.int32:
+        raise ValueError(f"indices must be int32, got {indices_dtype}")
+    if len(indices_shape) != 3 or tuple(indices_shape[:2]) != tuple(q_shape[:2]) or indices_shape[2] < 1:
+        raise ValueError(f"indices shape {tuple(indices_shape)} must be [b, s_q, topk >= 1] with q's "
+                         f"b, s_q = {tuple(q_shape[:2])}")
+    b, s_q, h, _ = q_shape
+    ctas = triton.cdiv(h, TILE_M) * b * s_q
+    if ctas > MAX_CTAS:
+        raise ValueError(f"the cutedsl sparse MLA launches at most {MAX_CTAS} CTAs per split, got "
+                         f"{ctas} (b {b} x s_q {s_q} x {triton.cdiv(h, TILE_M)} head blocks)")
+
+
+def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | None = None) -> SparseSplitPlan:
+    """Top-k splits from shapes only (CUDA-graph safe): the Triton kernel's rule with this kernel's
+    64-head CTAs and 64-row tiles; `num_splits` forces a count (clamped to the tiles there are)."""
+    tiles = triton.cdiv(topk, TILE_N)
+    if num_splits is None:
+        num_splits = choose_num_splits(tokens * triton.cdiv(h, TILE_M), tiles, num_sms)
+    elif not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    splits = min(num_splits, tiles)
+    split_len = triton.cdiv(tiles, splits) * TILE_N
+    return SparseSplitPlan(num_splits=triton.cdiv(topk, split_len), split_len=split_len)
+
+
+def _kernel(dtype: torch.dtype, split: bool):
+    """The compiled kernel for one specialization (compiled on first use, then cached)."""
+    key = (dtype, split)
+    fn = _compiled.get(key)
+    if fn is None:
+        cutlass = importlib.import_module("cutlass")
+        cute = importlib.import_module("cutlass.cute")
+        cuda = importlib.import_module("cuda.bindings.driver")
+        kmod = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel")
+        # compile-time stand-ins: only the pointers' types and alignments matter
+        scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
+        t0 = time.perf_counter()
+        fn = cute.compile(kmod.SparseMLASm90(_cute_dtype(dtype), is_split=split),
+                          *_pointers(dtype, (None,) * 7), *scalars)
+        compile_seconds[key] = time.perf_counter() - t0
+        _compiled[key] = fn
+    return fn
+
+
+def _cute_dtype(dtype: torch.dtype):
+    cutlass = importlib.import_module("cutlass")
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def _pointers(dtype: torch.dtype, addresses) -> list:
+    """Global-memory pointers for the kernel's 7 tensor arguments (q, kv, indices, out, lse, partial out,
+    partial lse) from their addresses (None: a stand-in for compiling). q (TMA) and kv (16-byte cp.async)
+    are 16-byte aligned (sparse_mla checks), the rest 4-byte."""
+    cutlass = importlib.import_module("cutlass")
+    cute = importlib.import_module("cutlass.cute")
+    runtime = importlib.import_module("cutlass.cute.runtime")
+    elem = _cute_dtype(dtype)
+    kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (elem, 4),
+             (cutlass.Float32, 4), (cutlass.Float32, 4), (cutlass.Float32, 4))
+    return [runtime.make_ptr(t, 1 << 20 if a is None else a, cute.AddressSpace.gmem, assumed_align=align)
+            for (t, align), a in zip(kinds, addresses)]
+
+
+def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_splits: int | None = None):
+    """Absorbed MLA over the cache slots each query token selected (semantics of
+    mlaserve.kernels.reference.sparse_mla).
+
+    q [b, s_q, h, 576] bf16/fp16; kv_cache [pages, page_size, 576] in q's dtype; indices int32 [b, s_q, topk]
+    of slot ids page * page_size + offset, -1 = unused (anywhere in the row). Returns out [b, s_q, h, 512]
+    in q's dtype and lse float32 [b, s_q, h] (natural log; out 0 and lse -inf for a token whose indices
+    are all -1). `num_splits` forces the top-k split count (None: from shapes).
+    """
+    check_supported(q.shape, q.dtype, kv_cache.shape, kv_cache.dtype, indices.shape, indices.dtype, head_dim_v)
+    if q.device.type != "cuda":
+        raise ValueError(f"the cutedsl sparse MLA runs on CUDA tensors (a Hopper GPU), got {q.device}")
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != D_QK or kv_cache.stride(0) != kv_cache.shape[1] * D_QK:
+        raise ValueError(f"kv_cache must have contiguous rows and pages, got strides {kv_cache.stride()}")
+    b, s_q, h, _ = q.shape
+    topk = indices.shape[2]
+    tokens = b * s_q
+    q = q.contiguous()
+    indices = indices.contiguous()
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary, got address {t.data_ptr():#x}")
+    out = torch.empty(b, s_q, h, HEAD_DIM_V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return out, lse
+    plan = plan_splits(tokens, h, topk, torch.cuda.get_device_properties(q.device).multi_processor_count,
+                       num_splits)
+    split = plan.num_splits > 1
+    if split:
+        po = torch.empty(plan.num_splits, tokens, h, HEAD_DIM_V, dtype=torch.float32, device=q.device)
+        pl = torch.empty(plan.num_splits, tokens, h, dtype=torch.float32, device=q.device)
+    else:
+        po, pl = lse, lse          # unused pointers
+    cutlass = importlib.import_module("cutlass")
+    cuda = importlib.import_module("cuda.bindings.driver")
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
+    fn = _kernel(q.dtype, split)
+    fn(*_pointers(q.dtype, addresses),
+       cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
+       cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),
+       cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+    if split:
+        _combine(po, pl, out, lse)
+    return out, lse
+
+
+def _combine(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """out [b, s_q, h, 512], lse [b, s_q, h] from per-split partials po f32 [splits, tokens, h, 512] and
+    pl f32 [splits, tokens, h] (the Triton sparse kernel's merge)."""
+    from mlaserve.kernels.triton.sparse_mla import _combine_splits_kernel
+    splits = po.shape[0]
+    rows = out.numel() // HEAD_DIM_V
+    _combine_splits_kernel[(rows,)](po, pl, out, lse, splits, rows, DV=HEAD_DIM_V, BLOCK_DV=HEAD_DIM_V,
+                                    SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
