@@ -2,8 +2,8 @@
 
 The kernel (mla_decode_kernel.py) gives each CTA 64 query rows — heads and new tokens packed as
 in the Triton kernel, row = token j * h + head — and one KV split of one request, with a TMA
-producer warpgroup and two consumer warpgroups that split every tile's QK and PV in halves (see
-its docstring for why). Splits are combined by the Triton `_combine_kernel` (Triton runs wherever
+producer warpgroup and two consumer warpgroups that take alternate tiles' QK and softmax and each
+keep half of O (FlashMLA's "seesaw"; see its docstring for why). Splits are combined by the Triton `_combine_kernel` (Triton runs wherever
 this kernel does), so there is one combine in the repo.
 
 Planning is the Triton kernel's (`mla_decode_plan.py`): the split count from shapes only and the
