@@ -81,7 +81,13 @@ def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | 
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     splits = min(num_splits, tiles)
     split_len = triton.cdiv(tiles, splits) * TILE_N
-    return SparseSplitPlan(num_splits=triton.cdiv(topk, split_len), split_len=split_len)
+    plan = SparseSplitPlan(num_splits=triton.cdiv(topk, split_len), split_len=split_len)
+    # the kernel indexes out, the split partials and the indices with 32-bit offsets
+    if plan.num_splits * tokens * h * HEAD_DIM_V >= 2 ** 31 or tokens * topk >= 2 ** 31:
+        raise ValueError(f"the cutedsl sparse MLA indexes with 32-bit offsets: {plan.num_splits} splits x "
+                         f"{tokens} tokens x h {h} x {HEAD_DIM_V} outputs (or x topk {topk} indices) is too many; "
+                         f"call it on fewer tokens at a time")
+    return plan
 
 
 def _kernel(dtype: torch.dtype, split: bool):
@@ -144,12 +150,12 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     for name, t in (("q", q), ("kv_cache", kv_cache)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must start on a 16-byte boundary, got address {t.data_ptr():#x}")
+    plan = plan_splits(tokens, h, topk, torch.cuda.get_device_properties(q.device).multi_processor_count,
+                       num_splits)
     out = torch.empty(b, s_q, h, HEAD_DIM_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
     if tokens == 0:
         return out, lse
-    plan = plan_splits(tokens, h, topk, torch.cuda.get_device_properties(q.device).multi_processor_count,
-                       num_splits)
     split = plan.num_splits > 1
     if split:
         po = torch.empty(plan.num_splits, tokens, h, HEAD_DIM_V, dtype=torch.float32, device=q.device)

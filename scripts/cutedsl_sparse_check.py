@@ -1,0 +1,173 @@
+"""Check and time the CuTe DSL sparse MLA (mlaserve/kernels/cutedsl/sparse_mla.py) on a Hopper GPU.
+
+    python scripts/cutedsl_sparse_check.py            # correctness shapes, then timings
+    python scripts/cutedsl_sparse_check.py --quick    # a few shapes, no timings
+    python scripts/cutedsl_sparse_check.py --bench    # timings only
+    python scripts/cutedsl_sparse_check.py --compile  # compile every specialization only (works without a
+                                                      # GPU with CUTE_DSL_ARCH=sm_90a), print compile seconds
+
+Prints one PASS/FAIL line per shape with the max abs error against mlaserve.kernels.reference.sparse_mla in
+float64 inputs (FlashMLA's tolerances: each element within 1e-3 abs or 2/128 rel, cosine distance <= 1e-5,
+lse within 2e-3; tokens whose indices are all -1 exactly out 0, lse -inf). Every cache slot no index points
+to holds NaN; index rows carry -1s anywhere (scattered, a whole leading tile, whole rows), repeated slots,
+and top-k sizes that are not multiples of 64. Exit status 1 if any fails. Timings print TFLOP/s =
+2 * tokens * h * topk * (576 + 512) / time beside `mlaserve.ops.sparse_mla(..., backend="triton")`.
+"""
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+sp = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla")
+from mlaserve.kernels import reference  # noqa: E402
+
+SCALE = 192 ** -0.5
+PAGE = 64
+
+
+def make_case(b, s_q, h, topk, s_kv, dtype, seed, device="cuda", poison=True):
+    """-> q [b, s_q, h, 576], kv [pages, 64, 576] (NaN in every slot no index names), indices int32 [b, s_q, topk].
+
+    Request i owns s_kv random slots of the cache; each token picks topk of them (with repeats where
+    topk > s_kv), then: ~10% of entries -1, entries 1..4 repeat entries 5..8, every 5th token (from the
+    2nd) has its first 64 entries -1, every 5th (from the 4th) is all -1 (only when there are >= 4 tokens).
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)      # on the device: the timing shapes are large
+    tokens = b * s_q
+    num_slots = (b * s_kv + 3 * PAGE + PAGE - 1) // PAGE * PAGE
+    kv = torch.randn(num_slots // PAGE, PAGE, 576, generator=gen, device=device).to(dtype)
+    owner = torch.randperm(num_slots, generator=gen, device=device)[:b * s_kv].view(b, s_kv)
+    if topk <= s_kv:
+        pos = torch.rand(b, s_q, s_kv, generator=gen, device=device).topk(topk, dim=-1).indices
+    else:
+        pos = torch.randint(0, s_kv, (b, s_q, topk), generator=gen, device=device)
+    idx = torch.gather(owner[:, None, :].expand(b, s_q, s_kv), 2, pos).view(tokens, topk)
+    if poison:
+        idx[torch.rand(tokens, topk, generator=gen, device=device) < 0.1] = -1
+        if topk >= 9:
+            idx[:, 1:5] = idx[:, 5:9]
+        idx[1::5, :64] = -1
+        if tokens >= 4:
+            idx[3::5] = -1
+        used = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        used[idx[idx >= 0].long()] = True
+        kv.view(num_slots, 576)[~used] = float("nan")
+    q = torch.randn(b, s_q, h, 576, generator=gen, device=device).to(dtype)
+    return q, kv, idx.view(b, s_q, topk).int()
+
+
+def compare(out, lse, ref_out, ref_lse) -> tuple[bool, float, str]:
+    """(ok, max abs err, what failed) with FlashMLA-like tolerances."""
+    empty = ref_lse == float("-inf")
+    err = (out.double() - ref_out.double()).abs()
+    max_err = err.max().item() if err.numel() else 0.0
+    problems = []
+    if out.isnan().any() or lse.isnan().any():
+        problems.append("NaN")
+    if not torch.equal(lse == float("-inf"), empty) or not (out[empty] == 0).all():
+        problems.append("empty rows")
+    bad = err > torch.maximum(torch.full_like(err, 1e-3), ref_out.double().abs() * (2 / 128))
+    if bad.any():
+        problems.append(f"{int(bad.sum())} elements out of tolerance")
+    a, r = out[~empty].double().flatten(), ref_out[~empty].double().flatten()
+    if a.numel():
+        cos_dist = 1 - (a @ r) / (a.norm() * r.norm()).clamp_min(1e-30)
+        if cos_dist > 1e-5:
+            problems.append(f"cosine distance {cos_dist.item():.2e}")
+    lse_err = (lse[~empty].double() - ref_lse[~empty].double()).abs()
+    if lse_err.numel() and lse_err.max().item() > 2e-3:
+        problems.append(f"lse err {lse_err.max().item():.2e}")
+    return not problems, max_err, ", ".join(problems)
+
+
+def cases(quick: bool):
+    """Decode b 1/4/64 x s_q 1/2 x h 16/64/128 x topk 64/2048, a prefill, fp16, ragged top-k, forced splits."""
+    for b in (1, 4, 64):
+        for s_q in (1, 2):
+            for h in (16, 64, 128):
+                for topk in (64, 2048):
+                    if quick and (b == 64 or h == 64):
+                        continue
+                    yield dict(b=b, s_q=s_q, h=h, topk=topk, s_kv=4096, dtype=torch.bfloat16)
+    yield dict(b=1, s_q=256, h=128, topk=2048, s_kv=8192, dtype=torch.bfloat16)
+    yield dict(b=4, s_q=2, h=64, topk=2048, s_kv=4096, dtype=torch.float16)
+    yield dict(b=3, s_q=2, h=32, topk=100, s_kv=300, dtype=torch.bfloat16)
+    yield dict(b=2, s_q=3, h=128, topk=1000, s_kv=700, dtype=torch.bfloat16)      # topk > s_kv: repeats
+    yield dict(b=2, s_q=2, h=16, topk=2048, s_kv=4096, dtype=torch.bfloat16, num_splits=3)
+    yield dict(b=2, s_q=2, h=128, topk=576, s_kv=4096, dtype=torch.bfloat16, num_splits=16)
+
+
+def case_name(c) -> str:
+    return (f"b{c['b']} s_q{c['s_q']} h{c['h']} topk{c['topk']} s_kv{c['s_kv']} {str(c['dtype'])[6:]} "
+            f"splits={c.get('num_splits', 'auto')}")
+
+
+def run_case(c, seed):
+    """-> (out, lse, ref_out, ref_lse) of one case."""
+    q, kv, idx = make_case(c["b"], c["s_q"], c["h"], c["topk"], c["s_kv"], c["dtype"], seed)
+    out, lse = sp.sparse_mla(q, kv, idx, SCALE, num_splits=c.get("num_splits"))
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.sparse_mla(q.double(), kv.double(), idx, SCALE)
+    return out, lse, ref_out, ref_lse
+
+
+def check(quick: bool) -> int:
+    failed = 0
+    for seed, c in enumerate(cases(quick)):
+        try:
+            ok, max_err, why = compare(*run_case(c, seed))
+        except Exception as e:      # a launch or compile error is this shape's FAIL line, then the next shape
+            ok, max_err, why = False, float("nan"), f"{type(e).__name__}: {e}"
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {case_name(c)}  max abs err {max_err:.2e}  {why}", flush=True)
+    return failed
+
+
+def bench() -> None:
+    import triton.testing
+    from mlaserve import ops
+    shapes = (("prefill", 1, 4096, 128, 2048, 32768), ("decode", 128, 2, 128, 2048, 8192),
+              ("decode", 128, 1, 128, 2048, 8192), ("decode", 64, 2, 64, 2048, 8192))
+    for kind, b, s_q, h, topk, s_kv in shapes:
+        q, kv, idx = make_case(b, s_q, h, topk, s_kv, torch.bfloat16, 0, poison=False)
+        flops = 2 * b * s_q * h * topk * (576 + 512)
+        plan = sp.plan_splits(b * s_q, h, topk, torch.cuda.get_device_properties(0).multi_processor_count)
+        line = f"{kind} b{b} s_q{s_q} h{h} topk{topk} s_kv{s_kv} splits={plan.num_splits}:"
+        for backend in ("cutedsl", "triton"):
+            fn = (lambda: sp.sparse_mla(q, kv, idx, SCALE)) if backend == "cutedsl" else \
+                (lambda: ops.sparse_mla(q, kv, idx, SCALE, backend="triton"))
+            fn()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200)
+            line += f"  {backend} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s"
+        print(line, flush=True)
+
+
+def compile_all() -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        for split in (False, True):
+            sp._kernel(dtype, split)
+    for key, sec in sp.compile_seconds.items():
+        print(f"compiled {key}: {sec:.1f} s", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    if args.compile:
+        compile_all()
+        return 0
+    failed = 0 if args.bench else check(args.quick)
+    if not args.quick:
+        bench()
+    print(f"{failed} shape(s) failed" if failed else "all shapes passed", flush=True)
+    print(f"compile seconds: {sp.compile_seconds}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
