@@ -1,7 +1,7 @@
 """The CuTe DSL sparse MLA's host side on the CPU: shape checks, top-k split planning, the split merge it
 shares with Triton (through the interpreter), and the `cutedsl` backend's refusal where no Hopper GPU is.
 CI does not install the DSL: nothing here imports it. The kernel itself runs in
-tests/gpu/test_cutedsl_sparse.py and scripts/cutedsl_sparse_check.py.
+tests/gpu/test_cutedsl_sparse_gpu.py and scripts/cutedsl_sparse_check.py.
 """
 
 import importlib

@@ -3,7 +3,8 @@ equal to eager.
 
 Shapes, inputs (NaN in every slot no index names; -1s scattered, as whole leading tiles and whole rows;
 repeated slots) and the FlashMLA-like tolerances are scripts/cutedsl_sparse_check.py's, loaded from there
-so that both check one thing. One command: python -m pytest -q tests/gpu/test_cutedsl_sparse.py
+so that both check one thing. One command: python -m pytest -q tests/gpu/test_cutedsl_sparse_gpu.py
+(not test_cutedsl_sparse.py: the CPU tests have that basename and tests/ has no packages).
 """
 
 import importlib
