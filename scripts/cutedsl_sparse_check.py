@@ -116,6 +116,7 @@ def run_case(c, seed):
 def check(quick: bool) -> int:
     failed = 0
     for seed, c in enumerate(cases(quick)):
+        print(f"run   {case_name(c)}", flush=True)      # a hang (a pipeline deadlock) names its shape in the log
         try:
             ok, max_err, why = compare(*run_case(c, seed))
         except Exception as e:      # a launch or compile error is this shape's FAIL line, then the next shape
