@@ -90,13 +90,31 @@ def test_kernel_backend_refuses_the_cpu_naming_package_and_gpu():
 def test_attention_backend_refuses_without_hopper():
     config = BackendConfig(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                            kv_cache_dtype="auto", device=CPU)
-    assert "cutedsl_mla" in registry.names() and "cutedsl_mla" not in registry.names(dsa=True)
+    assert "cutedsl_mla" in registry.names() and "cutedsl_mla" in registry.names(dsa=True)
     reason = registry.unavailable_reason("cutedsl_mla", config)
     assert "nvidia-cutlass-dsl" in reason and "Hopper" in reason
-    with pytest.raises(ValueError, match="'cutedsl_mla' cannot run here: .*nvidia-cutlass-dsl"):
-        registry.create("cutedsl_mla", config)
-    with pytest.raises(ValueError, match="no DSA"):
-        registry.create("cutedsl_mla", config, dsa=True)
+    for dsa in (False, True):
+        with pytest.raises(ValueError, match="'cutedsl_mla' cannot run here: .*nvidia-cutlass-dsl"):
+            registry.create("cutedsl_mla", config, dsa=dsa)
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(page_size=16), "needs --page-size 64, got 16"),
+    (dict(kv_cache_dtype="fp8_e4m3", dtype=torch.float16), "FP8 KV cache with bf16 activations"),
+    (dict(dtype=torch.float32), "bf16/fp16 activations"),
+    (dict(kv_lora_rank=256), "kv_lora_rank 512"),
+])
+def test_attention_backend_says_what_it_cannot_run(monkeypatch, change, why):
+    """Past the GPU and package checks (faked here), each unsupported setting stops start-up with its reason."""
+    from mlaserve.attention.cutedsl_backend import CuteDSLBackend
+    from mlaserve.ops import registry as ops_registry
+    for name in ("cutedsl", "triton"):
+        monkeypatch.setitem(ops_registry._REASONS, name, lambda device: None)
+    base = dict(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16, kv_cache_dtype="auto",
+                device=torch.device("cuda"), page_size=64)
+    assert CuteDSLBackend.unavailable_reason(BackendConfig(**base)) is None
+    assert CuteDSLBackend.unavailable_reason(BackendConfig(**{**base, "kv_cache_dtype": "fp8_e4m3"})) is None
+    assert why in CuteDSLBackend.unavailable_reason(BackendConfig(**{**base, **change}))
 
 
 def test_serve_with_cutedsl_mla_stops_startup_with_the_reason(tmp_path, monkeypatch, capsys):

@@ -29,6 +29,7 @@ class BackendConfig:
     kv_cache_dtype: str            # "auto" (= dtype) or "fp8_e4m3"
     device: torch.device
     index_topk: int | None = None  # DSA models only
+    page_size: int = 64            # tokens per KV page (the engine's --page-size)
 
 
 class AttentionBackend(ABC):

@@ -17,7 +17,7 @@ _BACKENDS: dict[str, tuple[str, str, bool]] = {
     "torch": ("mlaserve.attention.torch_backend", "TorchBackend", True),
     "triton": ("mlaserve.attention.triton_backend", "TritonBackend", True),
     "flashinfer": ("mlaserve.attention.flashinfer_backend", "FlashInferBackend", False),
-    "cutedsl_mla": ("mlaserve.attention.cutedsl_backend", "CuteDSLBackend", False),
+    "cutedsl_mla": ("mlaserve.attention.cutedsl_backend", "CuteDSLBackend", True),
 }
 
 

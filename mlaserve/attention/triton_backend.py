@@ -48,7 +48,9 @@ class TritonMeta:
 class TritonBackend(AttentionBackend):
     """Dense MLA through mlaserve's Triton decode kernel; DSA through ops.indexer_topk / ops.sparse_mla."""
     name = "triton"
-    kernel_backend = "triton"
+    kernel_backend = "triton"           # the dense decode kernel's ops backend
+    indexer_kernel_backend = "triton"   # the DSA indexer's
+    sparse_kernel_backend = "triton"    # sparse MLA's
     supports_cuda_graph = True
 
     @staticmethod
@@ -137,13 +139,13 @@ class TritonBackend(AttentionBackend):
         """q [T, H_I, D_I]; weights float32 [T, H_I] -> int32 [T, topk] slot ids."""
         b = meta.block_table.shape[0]
         idx = ops.indexer_topk(q.view(b, meta.s_q, *q.shape[1:]), weights.view(b, meta.s_q, -1), k_cache,
-                               meta.block_table, meta.seqlens, topk, backend=self.kernel_backend)
+                               meta.block_table, meta.seqlens, topk, backend=self.indexer_kernel_backend)
         return idx.view(q.shape[0], topk)
 
     def sparse_mla(self, q, kv_cache, indices, layout, meta, softmax_scale, head_dim_v):
         """q [T, h, d_qk]; indices int32 [T, topk] -> o_lat [T, h, head_dim_v]."""
         out, _ = ops.sparse_mla(q.unsqueeze(1), kv_cache, indices.unsqueeze(1), softmax_scale,
-                                head_dim_v=head_dim_v, backend=self.kernel_backend)
+                                head_dim_v=head_dim_v, backend=self.sparse_kernel_backend)
         return out.squeeze(1)
 
     # -- CUDA graphs (DECODE steps) --
