@@ -6,7 +6,7 @@ import torch
 from mlaserve.attention import registry
 from mlaserve.attention.auto_backend import AutoBackend
 from mlaserve.attention.base import AttentionBackend, BackendConfig
-from mlaserve.attention.batch import BatchLayout
+from mlaserve.attention.batch import BatchLayout, ForwardMode
 from mlaserve.engine.config import EngineConfig
 
 
@@ -72,21 +72,38 @@ def test_auto_without_peer_and_for_dsa():
     assert registry.create("auto", _cfg(128), dsa=True).decode_peers == ()
 
 
-@pytest.mark.parametrize("runnable,want", [
-    ({"triton", "flashinfer", "cutedsl_mla"}, ("flashinfer", "cutedsl_mla")),
-    ({"triton", "cutedsl_mla"}, ("cutedsl_mla",)),       # no FlashInfer: the CuTe DSL kernel takes DECODE
-    ({"triton"}, ()),
+@pytest.mark.parametrize("runnable,primary,peers", [
+    ({"triton", "flashinfer", "cutedsl_mla"}, "cutedsl_mla", ("flashinfer",)),
+    ({"triton", "cutedsl_mla"}, "cutedsl_mla", ()),
+    ({"triton", "flashinfer"}, "triton", ("flashinfer",)),
+    ({"triton"}, "triton", ()),
 ])
-def test_auto_decode_peers_are_those_that_run_here(monkeypatch, runnable, want):
-    """The registry gives auto the decode peers that can run with the config, in the measured order."""
+def test_auto_primary_and_decode_peers_are_those_that_run_here(monkeypatch, runnable, primary, peers):
+    """The registry gives auto the fastest primary that runs with the config and the peers with a rule against it."""
     cfg = BackendConfig(num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                         kv_cache_dtype="auto", device=torch.device("cuda"))
     monkeypatch.setattr(registry, "unavailable_reason",
                         lambda name, config: None if name in runnable else f"{name} cannot run in this test")
     monkeypatch.setattr(registry, "_load", lambda name: (lambda config, **kw: _Fake(config, name)))
     auto = registry.create("auto", cfg)
-    assert auto.primary.name == "triton"
-    assert tuple(p.name for p in auto.decode_peers) == want
-    layout = BatchLayout.build([4], [1], [[1]], 64, "cpu")
-    assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == (want[0] if want else "triton")
-    assert registry.create("auto", cfg, dsa=True).decode_peers == ()
+    assert auto.primary.name == primary
+    assert tuple(p.name for p in auto.decode_peers) == peers
+    dsa = registry.create("auto", cfg, dsa=True)
+    assert dsa.primary.name == primary and dsa.decode_peers == ()
+
+
+@pytest.mark.parametrize("heads,s_q,batch,want", [
+    (128, 1, 4, "flashinfer"),      # 128 rows, small batch: FlashInfer measured faster
+    (128, 1, 64, "cutedsl_mla"),    # large batch: level or faster, the primary keeps it
+    (64, 2, 4, "flashinfer"),       # 128 rows from 64 heads x 2 tokens
+    (64, 1, 4, "cutedsl_mla"),
+    (16, 1, 1, "cutedsl_mla"),
+])
+def test_auto_with_cutedsl_primary_gives_flashinfer_only_its_decode_steps(heads, s_q, batch, want):
+    cfg = _cfg(heads)
+    auto = AutoBackend(cfg, _Fake(cfg, "cutedsl_mla"), (_Fake(cfg, "flashinfer"), _Fake(cfg, "triton")))
+    assert [p.name for p in auto.decode_peers] == ["flashinfer"]     # triton has no rule against cutedsl_mla
+    layout = BatchLayout.build([4] * batch, [1] * batch, [[1]] * batch, 64, "cpu")
+    if s_q > 1:    # DECODE-mode steps carry one token each; s_q new tokens arrive as a uniform EXTEND
+        layout = BatchLayout.build([4] * batch, [s_q] * batch, [[1]] * batch, 64, "cpu", mode=ForwardMode.DECODE)
+    assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == want

@@ -1,13 +1,15 @@
 """`auto`: for each step, the backend measured fastest for its shape, among those that run here.
 
-Measured on the H200 (bench/results/h200-20261130-0081d29e95a6.json and
-h200-20261130-cutedsl-first.json, CUDA-graph timing, bf16 KV, page 64), DECODE steps: from 32 query
-rows per request on, FlashInfer's fa3 MLA and mlaserve's CuTe DSL kernel both beat the Triton kernel
-(Triton at 0.5-0.75x of FlashInfer, the CuTe DSL kernel 1.6-1.7x Triton's speed at 64-256 rows); at
-16 rows all three are level (0.95-1.05x). The registry hands the decode peers that can run here in
-the order measured fastest first. Peers without an FP8 cache path, DSA kernels or CUDA-graph hooks
-are never asked for those: EXTEND steps, DSA layers and everything on the CPU stay with the primary
-backend — triton on a GPU, torch on the CPU (where Triton would only run through its interpreter).
+The primary backend runs everything no decode peer takes: `cutedsl_mla` where it can run (Hopper, the
+CuTe DSL installed, page 64), else `triton` on a GPU, `torch` on the CPU (where Triton would only run
+through its interpreter). Decode peers take the DECODE steps where they measured faster than that
+primary (DECODE_RULES). Measured on the H200, CUDA-graph timing, page 64
+(bench/results/h200-20261130-a395c1d-cutedsl.json, h200-20261130-0081d29e95a6.json):
+- against `cutedsl_mla`, FlashInfer's fa3 MLA wins only at 128 query rows per request in small batches
+  (b 1/4/16 at s_k 32768: 1.03/1.20/1.08x); elsewhere the CuTe DSL kernel is level or faster (h16-h64
+  1.01-1.13x, h128 b128 0.95-1.07x), and FlashInfer cannot read the FP8 cache, so those stay;
+- against `triton`, FlashInfer and the CuTe DSL kernel win from 32 rows on (Triton at 0.5-0.75x).
+Peers have no DSA kernels or FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
 
 from dataclasses import dataclass
@@ -15,8 +17,23 @@ from dataclasses import dataclass
 from mlaserve.attention.base import AttentionBackend, BackendConfig
 from mlaserve.attention.batch import BatchLayout, ForwardMode
 
-# DECODE steps with at least this many query rows (heads x new tokens) per request go to a decode peer.
-DECODE_PEER_MIN_ROWS = 32
+
+@dataclass(frozen=True)
+class DecodeRule:
+    """The DECODE steps a peer takes from a primary: those with at least `min_rows` query rows (heads x new
+    tokens) per request and at most `max_batch` requests (None: any)."""
+    min_rows: int
+    max_batch: int | None = None
+
+    def takes(self, rows: int, batch: int) -> bool:
+        return rows >= self.min_rows and (self.max_batch is None or batch <= self.max_batch)
+
+
+# primary name -> {peer name: rule}, from the measurements in the module docstring
+DECODE_RULES: dict[str, dict[str, DecodeRule]] = {
+    "cutedsl_mla": {"flashinfer": DecodeRule(min_rows=128, max_batch=16)},
+    "triton": {"flashinfer": DecodeRule(min_rows=32), "cutedsl_mla": DecodeRule(min_rows=32)},
+}
 
 
 @dataclass
@@ -31,15 +48,19 @@ class AutoBackend(AttentionBackend):
     def __init__(self, config: BackendConfig, primary: AttentionBackend,
                  decode_peers: tuple[AttentionBackend, ...] = ()):
         """primary: runs everything the peers do not; decode_peers: backends that can run this config's
-        DECODE steps here, fastest first (the first one takes them all)."""
+        DECODE steps here, in order of preference; each takes the steps its DECODE_RULES entry names."""
         super().__init__(config)
         self.primary = primary
-        self.decode_peers = tuple(decode_peers)
+        rules = DECODE_RULES.get(primary.name, {})
+        self.decode_peers = tuple(p for p in decode_peers if p.name in rules)
+        self._rules = [(p, rules[p.name]) for p in self.decode_peers]
 
     def choose(self, layout: BatchLayout) -> AttentionBackend:
-        if (self.decode_peers and layout.mode is ForwardMode.DECODE
-                and self.config.num_heads * max(layout.extend_lens, default=1) >= DECODE_PEER_MIN_ROWS):
-            return self.decode_peers[0]
+        if layout.mode is ForwardMode.DECODE:
+            rows = self.config.num_heads * max(layout.extend_lens, default=1)
+            for peer, rule in self._rules:
+                if rule.takes(rows, layout.batch_size):
+                    return peer
         return self.primary
 
     def plan(self, layout: BatchLayout) -> AutoMeta:

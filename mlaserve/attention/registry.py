@@ -51,19 +51,19 @@ def available(config: BackendConfig) -> list[str]:
     return [n for n in sorted(_BACKENDS) if unavailable_reason(n, config) is None]
 
 
-# "auto"'s primary backend: the first of these that runs here (AutoBackend says when a peer is used).
-_AUTO_ORDER = ("triton", "torch")
-# Its DECODE peers, fastest first as measured on the H200 (auto_backend.py says where); those that run here
-# with the config are used.
+# "auto"'s primary backend: the first of these that runs here (auto_backend.py says why, from measurements).
+_AUTO_ORDER = ("cutedsl_mla", "triton", "torch")
+# Its DECODE peers in order of preference; those that run here with the config and have a rule against the
+# primary (auto_backend.DECODE_RULES) are used.
 _AUTO_DECODE_PEERS = ("flashinfer", "cutedsl_mla")
 
 
 def _create_auto(config: BackendConfig, dsa: bool, **kwargs) -> AttentionBackend:
-    from mlaserve.attention.auto_backend import AutoBackend
+    from mlaserve.attention.auto_backend import DECODE_RULES, AutoBackend
     primary = None
     for candidate in _AUTO_ORDER:
         # on the CPU triton runs through its interpreter, which is for tests: never the fastest
-        if candidate == "triton" and torch.device(config.device).type == "cpu":
+        if candidate in ("triton", "cutedsl_mla") and torch.device(config.device).type == "cpu":
             continue
         if unavailable_reason(candidate, config) is None:
             primary = _load(candidate)(config, **kwargs)
@@ -71,8 +71,10 @@ def _create_auto(config: BackendConfig, dsa: bool, **kwargs) -> AttentionBackend
     if primary is None:
         raise ValueError(f"no attention backend can run here; tried {list(_AUTO_ORDER)}")
     peers = ()
-    if not dsa and primary.name == "triton":
-        peers = tuple(_load(name)(config) for name in _AUTO_DECODE_PEERS if unavailable_reason(name, config) is None)
+    if not dsa:
+        rules = DECODE_RULES.get(primary.name, {})
+        peers = tuple(_load(name)(config) for name in _AUTO_DECODE_PEERS
+                      if name in rules and unavailable_reason(name, config) is None)
     return AutoBackend(config, primary, peers)
 
 

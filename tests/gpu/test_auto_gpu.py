@@ -1,5 +1,5 @@
-"""`--attention-backend auto` on a GPU with FlashInfer importable: DECODE steps of a 32-head bf16 model
-run on FlashInfer (measured faster there), and the engine's results match the triton backend's."""
+"""`--attention-backend auto` on a GPU with FlashInfer importable: FlashInfer is among its decode peers, and
+the engine's results match the triton backend's."""
 
 import pytest
 import torch
@@ -28,7 +28,10 @@ def test_auto_takes_flashinfer_for_decode_and_matches_triton(tmp_path):
         llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=backend, page_size=64, num_pages=64)
         if backend == "auto":
             dense = llm.engine.runner.dense
-            assert dense.primary.name == "triton" and dense.decode_peers[0].name == "flashinfer"
+            # with the CuTe DSL installed (page 64, Hopper) it is the primary and keeps 32-row decode steps;
+            # otherwise triton is, and FlashInfer takes them (auto_backend.DECODE_RULES)
+            assert dense.primary.name in ("cutedsl_mla", "triton")
+            assert "flashinfer" in [p.name for p in dense.decode_peers]
         runs[backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for a, t in zip(runs["auto"], runs["triton"]):
         # the first generated token comes from the shared EXTEND path, the rest from two different kernels
