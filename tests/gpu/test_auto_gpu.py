@@ -10,7 +10,7 @@ from test_llm import VOCAB, write_byte_tokenizer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_auto_takes_flashinfer_for_decode_and_matches_triton(tmp_path):
+def test_auto_has_flashinfer_as_a_decode_peer_and_matches_triton(tmp_path):
     from mlaserve import LLM, SamplingParams
     from mlaserve.attention import flashinfer_backend
     from model_factory import build_checkpoint
