@@ -25,6 +25,7 @@ import torch
 import triton
 
 from mlaserve.kernels import fp8_format
+from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_pointers
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
 from mlaserve.kernels.triton.mla_decode_plan import choose_num_splits as _choose_num_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
@@ -81,13 +82,11 @@ def _fp8_pointers(addresses) -> list:
     out, lse, partial out, partial lse) from the tensors' 8 addresses (None: stand-ins for compiling).
     The k_pe pointer is kv + 528, still 16-byte aligned (TMA needs it)."""
     cutlass = importlib.import_module("cutlass")
-    cute = importlib.import_module("cutlass.cute")
-    runtime = importlib.import_module("cutlass.cute.runtime")
-    q, kv, *rest = [1 << 20 if a is None else a for a in addresses]
-    kinds = ((cutlass.BFloat16, 16, q), (cutlass.Int32, 16, kv), (cutlass.BFloat16, 16, kv + fp8_format.ROPE_OFFSET),
-             *zip((cutlass.Int32, cutlass.Int32, cutlass.BFloat16, cutlass.Float32, cutlass.Float32, cutlass.Float32),
-                  (4, 4, 16, 4, 4, 4), rest))
-    return [runtime.make_ptr(t, a, cute.AddressSpace.gmem, assumed_align=align) for t, align, a in kinds]
+    q, kv, *rest = [COMPILE_ADDRESS if a is None else a for a in addresses]
+    kinds = ((cutlass.BFloat16, 16), (cutlass.Int32, 16), (cutlass.BFloat16, 16), (cutlass.Int32, 4),
+             (cutlass.Int32, 4), (cutlass.BFloat16, 16), (cutlass.Float32, 4), (cutlass.Float32, 4),
+             (cutlass.Float32, 4))
+    return gmem_pointers(kinds, (q, kv, kv + fp8_format.ROPE_OFFSET, *rest))
 
 
 def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
@@ -134,16 +133,11 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False)
                               *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
-            fn = cute.compile(kmod.MLADecodeSm90(_cute_dtype(dtype), causal=causal, is_split=split),
+            fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split),
                               *_pointers(dtype, (None,) * 8), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
-
-
-def _cute_dtype(dtype: torch.dtype):
-    cutlass = importlib.import_module("cutlass")
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
 def _pointers(dtype: torch.dtype, addresses) -> list:
@@ -152,13 +146,10 @@ def _pointers(dtype: torch.dtype, addresses) -> list:
     16-byte aligned (TMA needs it; mla_decode checks q and kv), partial out 8-byte (the epilogue stores
     fp32 pairs; mla_decode checks it), the rest 4-byte."""
     cutlass = importlib.import_module("cutlass")
-    cute = importlib.import_module("cutlass.cute")
-    runtime = importlib.import_module("cutlass.cute.runtime")
-    elem = _cute_dtype(dtype)
+    elem = cute_dtype(dtype)
     kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16),
              (cutlass.Float32, 4), (cutlass.Float32, 8), (cutlass.Float32, 4))
-    return [runtime.make_ptr(t, 1 << 20 if a is None else a, cute.AddressSpace.gmem, assumed_align=align)
-            for (t, align), a in zip(kinds, addresses)]
+    return gmem_pointers(kinds, addresses)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=True, head_dim_v=512,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from mlaserve.kernels.cutedsl.common import cute_dtype, gmem_pointers
 from mlaserve.kernels.triton.sparse_mla import choose_num_splits
 
 TILE_M = 64            # heads per CTA
@@ -102,16 +103,11 @@ def _kernel(dtype: torch.dtype, split: bool):
         # compile-time stand-ins: only the pointers' types and alignments matter
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         t0 = time.perf_counter()
-        fn = cute.compile(kmod.SparseMLASm90(_cute_dtype(dtype), is_split=split),
+        fn = cute.compile(kmod.SparseMLASm90(cute_dtype(dtype), is_split=split),
                           *_pointers(dtype, (None,) * 7), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
-
-
-def _cute_dtype(dtype: torch.dtype):
-    cutlass = importlib.import_module("cutlass")
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
 def _pointers(dtype: torch.dtype, addresses) -> list:
@@ -119,13 +115,10 @@ def _pointers(dtype: torch.dtype, addresses) -> list:
     partial lse) from their addresses (None: a stand-in for compiling). q (TMA) and kv (16-byte cp.async)
     are 16-byte aligned (sparse_mla checks), the rest 4-byte."""
     cutlass = importlib.import_module("cutlass")
-    cute = importlib.import_module("cutlass.cute")
-    runtime = importlib.import_module("cutlass.cute.runtime")
-    elem = _cute_dtype(dtype)
+    elem = cute_dtype(dtype)
     kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (elem, 4),
              (cutlass.Float32, 4), (cutlass.Float32, 4), (cutlass.Float32, 4))
-    return [runtime.make_ptr(t, 1 << 20 if a is None else a, cute.AddressSpace.gmem, assumed_align=align)
-            for (t, align), a in zip(kinds, addresses)]
+    return gmem_pointers(kinds, addresses)
 
 
 def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_splits: int | None = None):
