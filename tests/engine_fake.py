@@ -38,9 +38,9 @@ class FakeModel:
     def kv_pool_spec(self) -> dict:
         return dict(num_layers=1, kv_lora_rank=2, rope_dim=2, index_head_dim=None)
 
-    def backend_config(self, kv_cache_dtype, device) -> BackendConfig:
+    def backend_config(self, kv_cache_dtype, device, page_size: int = 64) -> BackendConfig:
         return BackendConfig(num_heads=1, kv_lora_rank=2, qk_rope_head_dim=2, dtype=torch.float32,
-                             kv_cache_dtype=kv_cache_dtype, device=torch.device(device))
+                             kv_cache_dtype=kv_cache_dtype, device=torch.device(device), page_size=page_size)
 
     def forward(self, fb) -> torch.Tensor:
         """-> [T, 1]: the predicted next token of each new token's context, as a float."""

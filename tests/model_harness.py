@@ -11,7 +11,6 @@ and every cache slot starts as NaN (0xFF bytes, NaN in every field, for an FP8 c
 read of a slot the model never wrote shows up in the results.
 """
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -41,7 +40,7 @@ class PagedRunner:
     def __init__(self, model, page_size: int = 8, num_pages: int = 64, kv_cache_dtype: str = "auto",
                  extend_form: str = "mha", seed: int = 0, pool_cls: type = KVPool, backend: str = "torch"):
         self.model = model
-        config = dataclasses.replace(model.backend_config(kv_cache_dtype, model.device), page_size=page_size)
+        config = model.backend_config(kv_cache_dtype, model.device, page_size=page_size)
         if backend == "torch":
             self.dense = TorchBackend(config, extend_form=extend_form)
         else:

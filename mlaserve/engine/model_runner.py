@@ -9,7 +9,6 @@ lists only) to the worker ranks, whose runners run the same `forward` on their m
 rank 0 computes logits.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +54,7 @@ class ModelRunner:
         self.tp_workers = tp_workers
         self.kv_pool = kv_pool
         self.device = device
-        backend_config = dataclasses.replace(model.backend_config(kv_cache_dtype, device), page_size=kv_pool.page_size)
+        backend_config = model.backend_config(kv_cache_dtype, device, page_size=kv_pool.page_size)
         # registry.create raises ValueError naming why a backend cannot run here
         self.dense = registry.create(attention_backend, backend_config)
         self.sparse_prefill = self.sparse_decode = None

@@ -104,8 +104,9 @@ class DeepseekForCausalLM(nn.Module):
         return dict(num_layers=cfg.num_layers, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
                     index_head_dim=cfg.index_head_dim if cfg.is_dsa else None)
 
-    def backend_config(self, kv_cache_dtype: str, device: torch.device | str) -> BackendConfig:
+    def backend_config(self, kv_cache_dtype: str, device: torch.device | str, page_size: int = 64) -> BackendConfig:
         cfg = self.config
         return BackendConfig(num_heads=cfg.num_heads // self.parallel.tp_size, kv_lora_rank=cfg.kv_lora_rank,
                              qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=self.dtype, kv_cache_dtype=kv_cache_dtype,
-                             device=torch.device(device), index_topk=cfg.index_topk if cfg.is_dsa else None)
+                             device=torch.device(device), index_topk=cfg.index_topk if cfg.is_dsa else None,
+                             page_size=page_size)
