@@ -5,12 +5,15 @@
     python scripts/cutedsl_sparse_check.py --bench    # timings only
     python scripts/cutedsl_sparse_check.py --compile  # compile every specialization only (works without a
                                                       # GPU with CUTE_DSL_ARCH=sm_90a), print compile seconds
+    python scripts/cutedsl_sparse_check.py --fp8      # only the FP8-cache shapes, then the FP8 timings
 
 Prints one PASS/FAIL line per shape with the max abs error against mlaserve.kernels.reference.sparse_mla in
 float64 inputs (FlashMLA's tolerances: each element within 1e-3 abs or 2/128 rel, cosine distance <= 1e-5,
 lse within 2e-3; tokens whose indices are all -1 exactly out 0, lse -inf). Every cache slot no index points
 to holds NaN; index rows carry -1s anywhere (scattered, a whole leading tile, whole rows), repeated slots,
-and top-k sizes that are not multiples of 64. Exit status 1 if any fails. Timings print TFLOP/s =
+and top-k sizes that are not multiples of 64. FP8-cache cases (kv uint8 [pages, 64, 656] from
+ops.quantize_kv_fp8, 0xFF in every unused slot: NaN scales and k_pe) compare against the reference on the
+dequantized cache. Exit status 1 if any fails. Timings print TFLOP/s =
 2 * tokens * h * topk * (576 + 512) / time beside `mlaserve.ops.sparse_mla(..., backend="triton")`.
 """
 
@@ -21,6 +24,7 @@ import sys
 import torch
 
 sp = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla")
+from mlaserve import ops  # noqa: E402
 from mlaserve.kernels import reference
 from mlaserve.kernels.tolerance import attention_close  # noqa: E402
 
@@ -59,6 +63,16 @@ def make_case(b, s_q, h, topk, s_kv, dtype, seed, device="cuda", poison=True):
     return q, kv, idx.view(b, s_q, topk).int()
 
 
+def make_fp8_case(b, s_q, h, topk, s_kv, seed, poison=True):
+    """make_case's inputs (bf16 q) with the cache quantized and every slot no index names 0xFF (NaN scales
+    and k_pe; e4m3 0xFF is NaN too). -> q bf16, kv uint8 [pages, 64, 656], indices."""
+    q, kv, idx = make_case(b, s_q, h, topk, s_kv, torch.bfloat16, seed, poison=poison)
+    unused = kv[..., 0].isnan()
+    packed = ops.quantize_kv_fp8(kv.nan_to_num(0.0))
+    packed[unused] = 0xFF
+    return q, packed, idx
+
+
 def compare(out, lse, ref_out, ref_lse) -> tuple[bool, float, str]:
     """(ok, max abs err, what failed): FlashMLA-like tolerances with bf16-P slack (mlaserve/kernels/tolerance.py)."""
     return attention_close(out, lse, ref_out, ref_lse)
@@ -79,25 +93,46 @@ def cases(quick: bool):
     yield dict(b=2, s_q=3, h=128, topk=1000, s_kv=700, dtype=torch.bfloat16)      # topk > s_kv: repeats
     yield dict(b=2, s_q=2, h=16, topk=2048, s_kv=4096, dtype=torch.bfloat16, num_splits=3)
     yield dict(b=2, s_q=2, h=128, topk=576, s_kv=4096, dtype=torch.bfloat16, num_splits=16)
+    yield from fp8_cases(quick)
+
+
+def fp8_cases(quick: bool):
+    """The FP8 cache: decode b 1/4/64 x s_q 1/2 x h 16/128 x topk 64/2048, a prefill, ragged top-k, splits."""
+    for b in (1, 4, 64):
+        for s_q in (1, 2):
+            for h in (16, 128):
+                for topk in (64, 2048):
+                    if quick and (b == 64 or s_q == 2):
+                        continue
+                    yield dict(b=b, s_q=s_q, h=h, topk=topk, s_kv=4096, dtype="fp8")
+    yield dict(b=1, s_q=256, h=128, topk=2048, s_kv=8192, dtype="fp8")
+    yield dict(b=3, s_q=2, h=32, topk=100, s_kv=300, dtype="fp8")
+    yield dict(b=2, s_q=3, h=64, topk=1000, s_kv=700, dtype="fp8")
+    yield dict(b=2, s_q=2, h=128, topk=576, s_kv=4096, dtype="fp8", num_splits=16)
 
 
 def case_name(c) -> str:
-    return (f"b{c['b']} s_q{c['s_q']} h{c['h']} topk{c['topk']} s_kv{c['s_kv']} {str(c['dtype'])[6:]} "
+    return (f"b{c['b']} s_q{c['s_q']} h{c['h']} topk{c['topk']} s_kv{c['s_kv']} {str(c['dtype']).replace('torch.', '')} "
             f"splits={c.get('num_splits', 'auto')}")
 
 
 def run_case(c, seed):
     """-> (out, lse, ref_out, ref_lse) of one case."""
-    q, kv, idx = make_case(c["b"], c["s_q"], c["h"], c["topk"], c["s_kv"], c["dtype"], seed)
+    if c["dtype"] == "fp8":
+        q, kv, idx = make_fp8_case(c["b"], c["s_q"], c["h"], c["topk"], c["s_kv"], seed)
+        kv_ref = ops.dequantize_kv_fp8(kv)
+    else:
+        q, kv, idx = make_case(c["b"], c["s_q"], c["h"], c["topk"], c["s_kv"], c["dtype"], seed)
+        kv_ref = kv
     out, lse = sp.sparse_mla(q, kv, idx, SCALE, num_splits=c.get("num_splits"))
     torch.cuda.synchronize()
-    ref_out, ref_lse = reference.sparse_mla(q.double(), kv.double(), idx, SCALE)
+    ref_out, ref_lse = reference.sparse_mla(q.double(), kv_ref.double(), idx, SCALE)
     return out, lse, ref_out, ref_lse
 
 
-def check(quick: bool) -> int:
+def check(quick: bool, fp8_only: bool = False) -> int:
     failed = 0
-    for seed, c in enumerate(cases(quick)):
+    for seed, c in enumerate(fp8_cases(quick) if fp8_only else cases(quick)):
         print(f"run   {case_name(c)}", flush=True)      # a hang (a pipeline deadlock) names its shape in the log
         try:
             ok, max_err, why = compare(*run_case(c, seed))
@@ -108,16 +143,22 @@ def check(quick: bool) -> int:
     return failed
 
 
-def bench() -> None:
+def bench(fp8_only: bool = False) -> None:
     import triton.testing
-    from mlaserve import ops
-    shapes = (("prefill", 1, 4096, 128, 2048, 32768), ("decode", 128, 2, 128, 2048, 8192),
-              ("decode", 128, 1, 128, 2048, 8192), ("decode", 64, 2, 64, 2048, 8192))
-    for kind, b, s_q, h, topk, s_kv in shapes:
-        q, kv, idx = make_case(b, s_q, h, topk, s_kv, torch.bfloat16, 0, poison=False)
+    shapes = (("prefill", 1, 4096, 128, 2048, 32768, "bf16"), ("decode", 128, 2, 128, 2048, 8192, "bf16"),
+              ("decode", 128, 1, 128, 2048, 8192, "bf16"), ("decode", 64, 2, 64, 2048, 8192, "bf16"),
+              ("decode", 128, 2, 128, 2048, 8192, "fp8"), ("decode", 128, 1, 128, 2048, 8192, "fp8"),
+              ("decode", 128, 2, 64, 2048, 8192, "fp8"))
+    for kind, b, s_q, h, topk, s_kv, cache in shapes:
+        if fp8_only and cache != "fp8":
+            continue
+        if cache == "fp8":
+            q, kv, idx = make_fp8_case(b, s_q, h, topk, s_kv, 0, poison=False)
+        else:
+            q, kv, idx = make_case(b, s_q, h, topk, s_kv, torch.bfloat16, 0, poison=False)
         flops = 2 * b * s_q * h * topk * (576 + 512)
         plan = sp.plan_splits(b * s_q, h, topk, torch.cuda.get_device_properties(0).multi_processor_count)
-        line = f"{kind} b{b} s_q{s_q} h{h} topk{topk} s_kv{s_kv} splits={plan.num_splits}:"
+        line = f"{kind} {cache} b{b} s_q{s_q} h{h} topk{topk} s_kv{s_kv} splits={plan.num_splits}:"
         for backend in ("cutedsl", "triton"):
             fn = (lambda: sp.sparse_mla(q, kv, idx, SCALE)) if backend == "cutedsl" else \
                 (lambda: ops.sparse_mla(q, kv, idx, SCALE, backend="triton"))
@@ -131,6 +172,8 @@ def compile_all() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         for split in (False, True):
             sp._kernel(dtype, split)
+    for split in (False, True):
+        sp._kernel(torch.bfloat16, split, fp8=True)
     for key, sec in sp.compile_seconds.items():
         print(f"compiled {key}: {sec:.1f} s", flush=True)
 
@@ -140,13 +183,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="only the FP8-cache shapes and timings")
     args = ap.parse_args()
     if args.compile:
         compile_all()
         return 0
-    failed = 0 if args.bench else check(args.quick)
+    failed = 0 if args.bench else check(args.quick, args.fp8)
     if not args.quick:
-        bench()
+        bench(args.fp8)
     print(f"{failed} shape(s) failed" if failed else "all shapes passed", flush=True)
     print(f"compile seconds: {sp.compile_seconds}", flush=True)
     return 1 if failed else 0

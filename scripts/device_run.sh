@@ -20,6 +20,8 @@
 #   phase "cutedsl"   scripts/cutedsl_check.py and scripts/cutedsl_sparse_check.py (the CuTe DSL kernels against
 #                     the reference, then their timings) into cutedsl.log / cutedsl_sparse.log; needs the DSL on
 #                     the machine (phases cutedsl1 + cutedsl2 below); T_CUTEDSL 150 each, CUTEDSL_ARGS passed on
+#                     (CUTEDSL_SPARSE_ARGS, when set, to the sparse script instead: e.g. CUTEDSL_ARGS=--splits
+#                     CUTEDSL_SPARSE_ARGS="" sweeps dense split counts and runs every sparse check)
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
 # Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log cutedsl_sparse.log
@@ -131,7 +133,9 @@ if has_phase cutedsl; then
       [ -f "$script" ] || continue
       name=$(basename "$script" .py)
       logfile=$OUT/${name/_check/}.log
-      run_phase "$name" "$(limit "${T_CUTEDSL:-150}")" "$logfile" python3 "$script" ${CUTEDSL_ARGS:-}
+      args=${CUTEDSL_ARGS:-}
+      if [ "$name" = cutedsl_sparse_check ]; then args=${CUTEDSL_SPARSE_ARGS-$args}; fi
+      run_phase "$name" "$(limit "${T_CUTEDSL:-150}")" "$logfile" python3 "$script" $args
       grep -E "^(PASS|FAIL)" "$logfile" | awk '{print $1}' | sort | uniq -c | tee -a "$LOG"
       tail -n 8 "$logfile" | tee -a "$LOG"
     done

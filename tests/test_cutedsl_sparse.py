@@ -27,7 +27,10 @@ def _args(b=2, s_q=3, h=16, topk=64, dtype=torch.bfloat16, kv=None, d=576):
 @pytest.mark.parametrize("change, says", [
     (dict(dtype=torch.float32), "bf16/fp16 q, got torch.float32"),
     (dict(d=512), r"q \[b, s_q, h, 576\] and head_dim_v 512, got q shape \(2, 3, 16, 512\)"),
-    (dict(kv=torch.zeros(4, 64, 656, dtype=torch.uint8)), "does not take FP8"),
+    (dict(dtype=torch.float16, kv=torch.zeros(4, 64, 656, dtype=torch.uint8)),
+     "reads the FP8 KV cache with bf16 q, got torch.float16"),
+    (dict(kv=torch.zeros(4, 64, 576, dtype=torch.uint8)),
+     r"FP8 kv_cache uint8 \[pages, page_size, 656\], got shape \(4, 64, 576\)"),
     (dict(kv=torch.zeros(4, 64, 576, dtype=torch.float16)), "kv_cache dtype torch.float16 must match"),
     (dict(kv=torch.zeros(4, 64, 512, dtype=torch.bfloat16)), r"kv_cache \[pages, page_size, 576\], got shape"),
 ])

@@ -3,8 +3,7 @@
 
 - DECODE (and short uniform extends): kernels/cutedsl/mla_decode.py, bf16/fp16 KV or the FP8 cache
   (bf16 activations), page size 64.
-- DSA sparse MLA: kernels/cutedsl/sparse_mla.py for bf16/fp16 caches; Triton's for the FP8 cache,
-  which the CuTe DSL sparse kernel does not read yet.
+- DSA sparse MLA: kernels/cutedsl/sparse_mla.py, bf16/fp16 caches or the FP8 cache (bf16 activations).
 - The DSA indexer, long extends (MHA form), the split combine: Triton's.
 
 The CuTe DSL decode module exposes the Triton decode module's planning names (plan_mla_decode,
@@ -26,6 +25,7 @@ class CuteDSLBackend(TritonBackend):
     """MLA decode and DSA sparse MLA through the CuTe DSL kernels; the rest as TritonBackend."""
     name = "cutedsl_mla"
     kernel_backend = "cutedsl"
+    sparse_kernel_backend = "cutedsl"
     supports_cuda_graph = True
 
     @staticmethod
@@ -54,4 +54,3 @@ class CuteDSLBackend(TritonBackend):
             raise ValueError(f"attention backend 'cutedsl_mla' cannot run here: {reason}")
         super().__init__(config, mha_min_extend=mha_min_extend)
         self._decode = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
-        self.sparse_kernel_backend = "triton" if config.kv_cache_dtype == "fp8_e4m3" else "cutedsl"

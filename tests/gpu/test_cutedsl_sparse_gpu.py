@@ -1,5 +1,5 @@
 """The CuTe DSL sparse MLA on a Hopper GPU against the torch reference, through `ops`, and CUDA-graph replay
-equal to eager.
+equal to eager, for bf16/fp16 caches and the FP8 cache.
 
 Shapes, inputs (NaN in every slot no index names; -1s scattered, as whole leading tiles and whole rows;
 repeated slots) and the FlashMLA-like tolerances are scripts/cutedsl_sparse_check.py's, loaded from there
@@ -45,9 +45,12 @@ def test_ops_dispatch_equals_direct_call():
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-@pytest.mark.parametrize("b, s_q, num_splits", [(2, 1, None), (8, 2, 1)])
-def test_cuda_graph_replay_equals_eager(b, s_q, num_splits):
-    q, kv, idx = check.make_case(b, s_q, 128, 2048, 4096, torch.bfloat16, seed=11)
+@pytest.mark.parametrize("b, s_q, num_splits, fp8", [(2, 1, None, False), (8, 2, 1, False), (2, 2, None, True)])
+def test_cuda_graph_replay_equals_eager(b, s_q, num_splits, fp8):
+    if fp8:
+        q, kv, idx = check.make_fp8_case(b, s_q, 128, 2048, 4096, seed=11)
+    else:
+        q, kv, idx = check.make_case(b, s_q, 128, 2048, 4096, torch.bfloat16, seed=11)
     sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)      # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -1,15 +1,18 @@
 """Sparse MLA (DSA) for Hopper in CuTe DSL: host side (checks, split planning, compile cache, launch).
 
-The kernel (sparse_mla_kernel.py) gives each CTA 64 heads of one query token and one split of that
-token's top-k: a cp.async producer warpgroup gathers the selected cache rows into a swizzled smem ring
-and two consumer warpgroups split every tile's QK and PV in halves (its docstring has the design). Splits
-are merged by the Triton sparse kernel's `_combine_splits_kernel`, so there is one merge in the repo.
+The kernels give each CTA 64 heads of one query token and one split of that token's top-k:
+- sparse_mla_kernel.py (bf16/fp16 caches): a cp.async producer warpgroup gathers the selected cache rows into
+  a swizzled smem ring and two consumer warpgroups split every tile's QK and PV in halves;
+- sparse_mla_fp8_kernel.py (the FP8 656-byte cache): a loader warpgroup gathers the rows' raw bytes the same
+  way and dequantizes them into a bf16 tile for the same consumers.
+Their docstrings have the designs. Splits are merged by the Triton sparse kernel's `_combine_splits_kernel`,
+so there is one merge in the repo.
 
 Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576] with any
-h, kv_cache [pages, page_size, 576] in q's dtype with contiguous rows and pages (any page size: slots are
-page * page_size + offset of the flattened cache), indices int32 [b, s_q, topk], head_dim_v 512. FP8
-caches are refused for now. `nvidia-cutlass-dsl` is imported on the first launch only: checks and
-planning work without it.
+h, kv_cache [pages, page_size, 576] in q's dtype, or uint8 [pages, page_size, 656] (FP8, bf16 q only), with
+contiguous rows and pages (any page size: slots are page * page_size + offset of the flattened cache),
+indices int32 [b, s_q, topk], head_dim_v 512. `nvidia-cutlass-dsl` is imported on the first launch only:
+checks and planning work without it.
 """
 
 import importlib
@@ -28,10 +31,11 @@ D_QK = 576
 HEAD_DIM_V = 512
 MAX_SPLITS = 65535     # the split rides on the grid's y axis
 MAX_CTAS = 2 ** 31 - 1  # head blocks x tokens on the grid's x axis
+FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
-# seconds spent compiling each specialization, by compile key (dtype, split)
+# seconds spent compiling each specialization, by compile key (dtype, split, fp8 cache)
 compile_seconds: dict[tuple, float] = {}
 _compiled: dict[tuple, object] = {}
 
@@ -53,13 +57,17 @@ def check_supported(q_shape, q_dtype: torch.dtype, kv_shape, kv_dtype: torch.dty
         raise ValueError(f"the cutedsl sparse MLA needs q [b, s_q, h, {D_QK}] and head_dim_v {HEAD_DIM_V}, "
                          f"got q shape {tuple(q_shape)} and head_dim_v {head_dim_v}")
     if kv_dtype == torch.uint8:
-        raise ValueError("the cutedsl sparse MLA does not take FP8 (uint8 656-byte) KV caches yet; "
-                         "use backend='triton' for them")
-    if kv_dtype != q_dtype:
-        raise ValueError(f"kv_cache dtype {kv_dtype} must match q dtype {q_dtype}")
-    if len(kv_shape) != 3 or kv_shape[2] != D_QK:
-        raise ValueError(f"the cutedsl sparse MLA needs kv_cache [pages, page_size, {D_QK}], "
-                         f"got shape {tuple(kv_shape)}")
+        if q_dtype != torch.bfloat16:
+            raise ValueError(f"the cutedsl sparse MLA reads the FP8 KV cache with bf16 q, got {q_dtype}")
+        if len(kv_shape) != 3 or kv_shape[2] != FP8_ROW_BYTES:
+            raise ValueError(f"the cutedsl sparse MLA needs an FP8 kv_cache uint8 [pages, page_size, "
+                             f"{FP8_ROW_BYTES}], got shape {tuple(kv_shape)}")
+    else:
+        if kv_dtype != q_dtype:
+            raise ValueError(f"kv_cache dtype {kv_dtype} must match q dtype {q_dtype}")
+        if len(kv_shape) != 3 or kv_shape[2] != D_QK:
+            raise ValueError(f"the cutedsl sparse MLA needs kv_cache [pages, page_size, {D_QK}], "
+                             f"got shape {tuple(kv_shape)}")
     if indices_dtype != torch.int32:
         raise ValueError(f"indices must be int32, got {indices_dtype}")
     if len(indices_shape) != 3 or tuple(indices_shape[:2]) != tuple(q_shape[:2]) or indices_shape[2] < 1:
@@ -91,32 +99,36 @@ def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | 
     return plan
 
 
-def _kernel(dtype: torch.dtype, split: bool):
+def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached)."""
-    key = (dtype, split)
+    key = (dtype, split, fp8)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
         cute = importlib.import_module("cutlass.cute")
         cuda = importlib.import_module("cuda.bindings.driver")
-        kmod = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel")
         # compile-time stand-ins: only the pointers' types and alignments matter
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
+        if fp8:
+            kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_fp8_kernel").SparseMLAFP8Sm90(
+                is_split=split)
+        else:
+            kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel").SparseMLASm90(
+                cute_dtype(dtype), is_split=split)
         t0 = time.perf_counter()
-        fn = cute.compile(kmod.SparseMLASm90(cute_dtype(dtype), is_split=split),
-                          *_pointers(dtype, (None,) * 7), *scalars)
+        fn = cute.compile(kernel, *_pointers(dtype, (None,) * 7, fp8), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
 
 
-def _pointers(dtype: torch.dtype, addresses) -> list:
+def _pointers(dtype: torch.dtype, addresses, fp8: bool = False) -> list:
     """Global-memory pointers for the kernel's 7 tensor arguments (q, kv, indices, out, lse, partial out,
     partial lse) from their addresses (None: a stand-in for compiling). q (TMA) and kv (16-byte cp.async)
-    are 16-byte aligned (sparse_mla checks), the rest 4-byte."""
+    are 16-byte aligned (sparse_mla checks), the rest 4-byte. An FP8 cache is passed as int32 words."""
     cutlass = importlib.import_module("cutlass")
     elem = cute_dtype(dtype)
-    kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (elem, 4),
+    kinds = ((elem, 16), (cutlass.Int32 if fp8 else elem, 16), (cutlass.Int32, 4), (elem, 4),
              (cutlass.Float32, 4), (cutlass.Float32, 4), (cutlass.Float32, 4))
     return gmem_pointers(kinds, addresses)
 
@@ -125,7 +137,8 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     """Absorbed MLA over the cache slots each query token selected (semantics of
     mlaserve.kernels.reference.sparse_mla).
 
-    q [b, s_q, h, 576] bf16/fp16; kv_cache [pages, page_size, 576] in q's dtype; indices int32 [b, s_q, topk]
+    q [b, s_q, h, 576] bf16/fp16; kv_cache [pages, page_size, 576] in q's dtype, or the FP8 cache uint8
+    [pages, page_size, 656] with bf16 q; indices int32 [b, s_q, topk]
     of slot ids page * page_size + offset, -1 = unused (anywhere in the row). Returns out [b, s_q, h, 512]
     in q's dtype and lse float32 [b, s_q, h] (natural log; out 0 and lse -inf for a token whose indices
     are all -1). `num_splits` forces the top-k split count (None: from shapes).
@@ -133,7 +146,8 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     check_supported(q.shape, q.dtype, kv_cache.shape, kv_cache.dtype, indices.shape, indices.dtype, head_dim_v)
     if q.device.type != "cuda":
         raise ValueError(f"the cutedsl sparse MLA runs on CUDA tensors (a Hopper GPU), got {q.device}")
-    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != D_QK or kv_cache.stride(0) != kv_cache.shape[1] * D_QK:
+    row = kv_cache.shape[2]
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != row or kv_cache.stride(0) != kv_cache.shape[1] * row:
         raise ValueError(f"kv_cache must have contiguous rows and pages, got strides {kv_cache.stride()}")
     b, s_q, h, _ = q.shape
     topk = indices.shape[2]
@@ -159,8 +173,9 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     cuda = importlib.import_module("cuda.bindings.driver")
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
-    fn = _kernel(q.dtype, split)
-    fn(*_pointers(q.dtype, addresses),
+    fp8 = kv_cache.dtype == torch.uint8
+    fn = _kernel(q.dtype, split, fp8)
+    fn(*_pointers(q.dtype, addresses, fp8),
        cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
        cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),
        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))

@@ -1,0 +1,426 @@
+"""The Hopper (sm_90a) sparse MLA (DSA) kernel over the FP8 656-byte KV format, in CuTe DSL.
+
+One CTA = 64 heads of one query token x one split of that token's top-k, the grid of the bf16 sparse kernel
+(sparse_mla_kernel.py). The rows are gathered as there, the e4m3 bytes dequantized as in the dense FP8 kernel
+(mla_decode_fp8_kernel.py, whose helpers this module calls), and the consumers' math is the dense FP8
+kernel's with the sparse kernel's per-key mask.
+
+Each cached token is 656 bytes (mlaserve/kernels/fp8_format.py): 512 e4m3 c_kv bytes, 4 fp32 scales, 64 bf16
+k_pe values. Per tile of 64 gathered rows:
+
+    raw ring stage (cp.async)  e4m3 + scales  [64, 528 B] row-major (16-byte chunks 0..32 of the row)  33792 B
+                               k_pe           [64, 64] bf16, 128-byte swizzle (chunks 33..40)         8192 B
+    bf16 tile (loader)         c_kv           [64, 512] bf16, 128-byte swizzle                        65536 B
+
+Warp roles (384 threads):
+- WG 0, the loader (setmaxnreg 56). Warp 0 loads Q once (TMA). All 128 threads gather each tile's rows with
+  cp.async into a 2-stage raw ring: thread p owns rows p // 8 + 16 i (i < 4) and, of each, the raw chunks
+  p % 8 + 8 j (chunk 32, the scales, by the threads with p % 8 = 0) and the k_pe chunk p % 8. A row whose
+  index is -1, or past the split's end, is zero-filled by the copy (src-size 0): its e4m3 bytes and scales
+  are 0, so it dequantizes to 0, and 0 * P keeps poison in an unused slot out of O. Each thread ends a stage
+  with cp.async.mbarrier.arrive.noinc on the stage's full barrier (128 arrivals). Then the same threads
+  wait for the stage and dequantize it into the one bf16 c_kv tile (the dense FP8 kernel's bit trick: 8
+  bytes -> one 16-byte store, no conversion instruction), and gather the tile two ahead into the freed stage.
+- WG 1 and WG 2, the consumers (setmaxnreg 224): S_w = Q K_w^T over keys 32w..32w+32 (c_kv from the bf16
+  tile, k_pe from the raw stage), keys whose index is -1 or past the end at -inf, P_w to smem,
+  O_w += P V_w over columns 256w..256w+256.
+
+Smem: the dense FP8 kernel's buffers with the raw stage split into its row-major part and the swizzled k_pe
+part: Q 73728 + bf16 tile 65536 + k_pe 2 x 8192 + raw 2 x 33792 + P 8192 + mbarriers and row statistics
+= 232000 B (232448 with the struct's 1024-byte alignment, the sm_90 limit). One bf16 tile: dequantizing tile
+t + 1 waits for the consumers' P V of tile t.
+
+Barriers per tile t (stage s = t % 2):
+  raw full[s]  128 loader arrivals (cp.async noinc)   loader waits (dequantize), consumers wait (k_pe)
+  raw empty[s] 12 warp arrivals: 4 loader warps after dequantizing, 8 consumer warps after S
+  kv_empty     256 consumer threads after P V of t-1 -> loader may overwrite the bf16 tile
+  kv_full      128 loader threads after dequantizing t (fence.proxy.async first) -> consumers' wgmma
+cp.async writes through the generic proxy, wgmma reads through the async proxy: the consumers fence after
+their raw-full wait (k_pe), the loader before its kv_full arrival (c_kv).
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
+    EXP_120, _bf16x2_hi, _dequant8, _ld_shared_b32, _pv_gemm, _qk_gemm)
+
+TILE_M = 64           # heads per CTA: one wgmma M
+TILE_N = 64           # gathered rows per tile
+D_QK = 576
+D_V = 512
+D_PE = D_QK - D_V
+HALF_N = TILE_N // 2
+HALF_V = D_V // 2
+RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit words (528 B)
+ROW_WORDS = 164       # 656 B
+SCALE_WORD = 128      # the scales start at byte 512
+RAW_CHUNKS = RAW_WORDS // 4   # 33 16-byte chunks
+PE_CHUNKS = D_PE // 8         # 8 16-byte chunks of k_pe, from word 132
+RAW_STAGES = 2
+LOADER_REGS = 56
+CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
+THREADS = 3 * 128
+LOADER_THREADS = 128
+CONSUMER_THREADS = 256
+BAR_MAX = 1
+BAR_P = 2
+ROWS_PER_PASS = LOADER_THREADS // 8   # 16: 8 threads per gathered row
+ROW_PASSES = TILE_N // ROWS_PER_PASS  # 4
+
+
+class SparseMLAFP8Sm90:
+    """Compiled per split; q, out bf16. Launched by sparse_mla.py through `__call__`."""
+
+    def __init__(self, is_split: bool):
+        self.dtype = cutlass.BFloat16
+        self.is_split = is_split
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,
+                 lse_ptr: cute.Pointer, po_ptr: cute.Pointer, pl_ptr: cute.Pointer,
+                 tokens: Int32, h: Int32, num_slots: Int32, topk: Int32, num_splits: Int32, split_len: Int32,
+                 scale_log2: Float32, stream):
+        """q bf16 [tokens, h, 576]; kv: the cache uint8 [num_slots, 656] as int32 words; idx int32
+        [tokens, topk]; out bf16 [tokens, h, 512], lse fp32 [tokens, h]; partials (split only) fp32
+        [num_splits, tokens, h, 512] and [num_splits, tokens, h]. Split s covers indices [s * split_len, +split_len)."""
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((h, D_QK, tokens), stride=(D_QK, 1, h * D_QK)))
+        mKV = cute.make_tensor(kv_ptr, cute.make_layout((num_slots, ROW_WORDS), stride=(ROW_WORDS, 1)))
+        mIdx = cute.make_tensor(idx_ptr, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((tokens, h, D_V), stride=(h * D_V, D_V, 1)))
+        mLse = cute.make_tensor(lse_ptr, cute.make_layout((tokens, h), stride=(h, 1)))
+        mPO = cute.make_tensor(po_ptr, cute.make_layout((num_splits, tokens, h, D_V),
+                                                        stride=(tokens * h * D_V, h * D_V, D_V, 1)))
+        mPL = cute.make_tensor(pl_ptr, cute.make_layout((num_splits, tokens, h), stride=(tokens * h, h, 1)))
+
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
+        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
+        sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
+        sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
+        sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES),
+                                       stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
+
+        # Q rows past h (h < 64) lie outside the tensor: TMA fills them with zeros
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (TILE_M, D_QK))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (TILE_M, HALF_N))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (TILE_M, HALF_V))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
+            sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
+
+        self.shared_storage = SharedStorage
+        m_blocks = (h + TILE_M - 1) // TILE_M
+        # head blocks of one token adjacent on x: the second CTA's gather hits the rows the first pulled into L2
+        grid = (m_blocks * tokens, num_splits, 1)
+        self.kernel(tma_q, mQ_tma, mKV, mIdx, mOut, mLse, mPO, mPL, h, m_blocks, split_len, topk, scale_log2,
+                    sQ_layout, sKV_layout, sPE_layout, sP_layout, sRaw_layout, tiled_mma_qk, tiled_mma_pv).launch(
+            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
+               mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, h: Int32,
+               m_blocks: Int32, split_len: Int32, topk: Int32, scale_log2: Float32,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, sRaw_layout: cute.Layout, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, split, _ = cute.arch.block_idx()
+        m_block = bx % m_blocks
+        token = bx // m_blocks
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        kv_full = storage.kv_mbar.data_ptr()
+        kv_empty = kv_full + 1
+        if tidx == 0:
+            cute.arch.mbarrier_init(kv_full, LOADER_THREADS)
+            cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
+        # (the pipelines' creation fences the mbarrier inits and syncs the CTA)
+        # raw full: 128 loader threads, one cp.async noinc arrival each; raw empty: one lane of each of the
+        # 4 loader warps (dequantized) and the 8 consumer warps (k_pe used in S)
+        raw_pipe = pipeline.PipelineCpAsync.create(
+            barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, LOADER_THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + CONSUMER_THREADS) // 32))
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            tx_count=TILE_M * D_QK * 2)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sStat = storage.row_stat.get_tensor(cute.make_layout((TILE_M, 2)))
+
+        # -- this split's indices: [start, end) of the token's top-k, whole 64-row tiles but the last --
+        start = split * split_len
+        end = cutlass.min(start + split_len, topk)
+        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+
+        if wg == 0:
+            # ---------------- loader: Q (TMA, warp 0), gather (cp.async) and dequantization (all four warps) ----
+            cute.arch.setmaxregister_decrease(LOADER_REGS)
+            if warp_idx == 0:
+                gQ = cute.local_tile(mQ_tma[None, None, token], (TILE_M, D_QK), (m_block, 0))
+                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                 cute.group_modes(gQ, 0, 2))
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_pipe.producer_acquire(q_state)
+                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RAW_STAGES)
+            for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
+                self._gather(tidx, token, start + t * TILE_N, end, mKV, mIdx, storage.sRaw.data_ptr(),
+                             storage.sPE.data_ptr(), raw_pipe, raw_p)
+                raw_p.advance()
+
+            # this thread's 8 e4m3 bytes of a row: chunk c of 64 (columns 8c..8c+7), rows 2i + (tidx // 64)
+            chunk = tidx % 64
+            raw_base = storage.sRaw.data_ptr().toint() + chunk * 8
+            # the bf16 tile's 128-byte swizzle: column block c // 8 (8 KB each), 16-byte unit (c % 8) ^ (row % 8)
+            kv_base = storage.sKV.data_ptr().toint() + (chunk // 8) * (TILE_N * 128)
+            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+            for t in cutlass.range(n_tiles, unroll=1):
+                raw_pipe.consumer_wait(raw_c)
+                cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
+                stage_base = raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4)
+                for i in cutlass.range(TILE_N // 2, unroll=4):
+                    row = 2 * i + tidx // 64
+                    src = stage_base + row * (RAW_WORDS * 4)
+                    scale_bits = _ld_shared_b32(stage_base - chunk * 8 + row * (RAW_WORDS * 4)
+                                                + (SCALE_WORD + chunk // 16) * 4)
+                    # a zero-filled row (index -1 or past the end) has scale bits 0 and bytes 0: it stays 0
+                    mult = _bf16x2_hi(scale_bits + EXP_120)
+                    dst = kv_base + row * 128 + ((chunk % 8) ^ (row % 8)) * 16
+                    _dequant8(src, dst, mult)
+                # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(kv_full)
+                cute.arch.sync_warp()
+                if cute.arch.lane_idx() == 0:
+                    raw_pipe.consumer_release(raw_c)
+                raw_c.advance()
+                if t + RAW_STAGES < n_tiles:
+                    self._gather(tidx, token, start + (t + RAW_STAGES) * TILE_N, end, mKV, mIdx,
+                                 storage.sRaw.data_ptr(), storage.sPE.data_ptr(), raw_pipe, raw_p)
+                raw_p.advance()
+            # no thread exits with copies (and their mbarrier arrivals) in flight
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+        else:
+            # ---------------- consumers ----------------
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cw = wg - 1                  # which half: keys 32cw.. of S, columns 256cw.. of O
+            ctid = tidx % 128
+            thr_qk = tiled_mma_qk.get_slice(ctid)
+            thr_pv = tiled_mma_pv.get_slice(ctid)
+            sQ_nope = cute.local_tile(sQ, (TILE_M, D_V), (0, 0))
+            sQ_pe = cute.local_tile(sQ, (TILE_M, D_PE), (0, D_V // D_PE))
+            sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
+            sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
+            # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
+            sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+            sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
+            sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
+            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_nope))
+            tSrQpe = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_pe))
+            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK_w))
+            tSrKpe = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_w))
+            tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
+            tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w))
+            tPsP = thr_qk.partition_C(sP_w)
+            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
+            acc_o.fill(0.0)
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N)))
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V)))
+            rP = cute.make_fragment_like(acc_s, self.dtype)
+            n_vals = cute.size(acc_s)
+            # value i = v0 + 2 v1 + 4 v2 sits in column pair v0, row half v1, 8-column group v2: the thread's
+            # distinct keys are j = v0 + 2 v2 (sparse_mla_kernel.py)
+            bias = cute.make_rmem_tensor(n_vals // 2, Float32)
+
+            r0 = (ctid // 32) * 16 + (ctid % 32) // 4
+            row_m = cute.make_rmem_tensor(2, Float32)  # running max (log2 units)
+            row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
+            for hr in cutlass.range_constexpr(2):
+                row_m[hr] = -Float32.inf
+                row_l[hr] = 0.0
+
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_pipe.consumer_wait(q_state)
+            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+            for t in cutlass.range(n_tiles, unroll=1):
+                stage = raw_c.index
+                # -- this half's keys: -inf where the index is -1 or past the split (read before the waits) --
+                key0 = start + t * TILE_N + cw * HALF_N
+                for i in cutlass.range_constexpr(n_vals):
+                    if const_expr((i // 2) % 2 == 0):
+                        j = (i % 2) + 2 * (i // 4)
+                        pos = key0 + tScS[i][1]
+                        bias[j] = -Float32.inf
+                        if pos < end:
+                            if mIdx[token, pos] >= 0:
+                                bias[j] = 0.0
+                raw_pipe.consumer_wait(raw_c)
+                # k_pe came by cp.async (generic proxy); wgmma reads it through the async proxy
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_wait(kv_full, t % 2)
+                # -- S_w = Q_nope K_w^T + Q_pe Kpe_w^T --
+                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage])
+                # the wgmma wait is warp-wide: one lane per warp frees the raw stage
+                if cute.arch.lane_idx() == 0:
+                    raw_pipe.consumer_release(raw_c)
+                raw_c.advance()
+                for i in cutlass.range_constexpr(n_vals):
+                    acc_s[i] = acc_s[i] * scale_log2 + bias[(i % 2) + 2 * (i // 4)]
+                # -- row maxima of the whole tile: quad, then the other consumer through smem --
+                mx = cute.make_rmem_tensor(2, Float32)
+                mx[0] = -Float32.inf
+                mx[1] = -Float32.inf
+                for i in cutlass.range_constexpr(n_vals):
+                    mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
+                for hr in cutlass.range_constexpr(2):
+                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
+                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
+                    if ctid % 4 == 0:
+                        sStat[r0 + 8 * hr, cw] = mx[hr]
+                cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+                alpha = cute.make_rmem_tensor(2, Float32)
+                m_base = cute.make_rmem_tensor(2, Float32)
+                for hr in cutlass.range_constexpr(2):
+                    m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], sStat[r0 + 8 * hr, 1 - cw]))
+                    # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
+                    m_base[hr] = m_new
+                    if m_new == -Float32.inf:
+                        m_base[hr] = 0.0
+                    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
+                    row_m[hr] = m_new
+                    row_l[hr] = row_l[hr] * alpha[hr]
+                # -- P_w = exp2(S_w - m) -> smem --
+                for i in cutlass.range_constexpr(n_vals):
+                    p = cute.arch.exp2(acc_s[i] - m_base[(i // 2) % 2])
+                    acc_s[i] = p
+                    row_l[(i // 2) % 2] = row_l[(i // 2) % 2] + p
+                rP.store(acc_s.load().to(self.dtype))
+                cute.autovec_copy(rP, tPsP)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+                # -- O_w = alpha O_w + P V_w --
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+                _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
+                cute.arch.mbarrier_arrive(kv_empty)
+
+            # -- epilogue: whole row sums (quad, then both consumers), normalize, store. The row sums reuse
+            # the maxima's smem: the other consumer read this one's maxima before the last BAR_P. --
+            for hr in cutlass.range_constexpr(2):
+                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
+                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
+                if ctid % 4 == 0:
+                    sStat[r0 + 8 * hr, cw] = row_l[hr]
+            cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+            inv_l = cute.make_rmem_tensor(2, Float32)
+            lse = cute.make_rmem_tensor(2, Float32)
+            for hr in cutlass.range_constexpr(2):
+                total = sStat[r0 + 8 * hr, 0] + sStat[r0 + 8 * hr, 1]
+                inv_l[hr] = 0.0
+                lse[hr] = -Float32.inf
+                if total > 0.0:
+                    inv_l[hr] = 1.0 / total
+                    lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                head = m_block * TILE_M + tOcO[i][0]
+                if head < h:
+                    val = acc_o[i] * inv_l[(i // 2) % 2]
+                    col = cw * HALF_V + tOcO[i][1]
+                    if const_expr(self.is_split):
+                        mPO[split, token, head, col] = val
+                    else:
+                        mOut[token, head, col] = val.to(self.dtype)
+            if cw == 0 and ctid % 4 == 0:
+                for hr in cutlass.range_constexpr(2):
+                    head = m_block * TILE_M + r0 + 8 * hr
+                    if head < h:
+                        if const_expr(self.is_split):
+                            mPL[split, token, head] = lse[hr]
+                        else:
+                            mLse[token, head] = lse[hr]
+
+    @cute.jit
+    def _gather(self, tidx: Int32, token: Int32, pos0: Int32, end: Int32, mKV: cute.Tensor, mIdx: cute.Tensor,
+                raw_ptr: cute.Pointer, pe_ptr: cute.Pointer, raw_pipe: pipeline.PipelineCpAsync,
+                state: pipeline.PipelineState):
+        """One tile's 64 rows (indices pos0 .. pos0 + 64 of the token) into raw stage state.index by cp.async.
+
+        Raw chunk c (16 bytes) of row r lands at word r * 132 + 4 c of the stage; k_pe chunk k at the
+        swizzled K-major position r * 64 + ((k ^ (r % 8)) * 8) (bf16 elements) of the stage's [64, 64] tile --
+        the layout TMA writes for sPE_layout (one 64-column atom block of 8-row, 1024-byte atoms).
+        """
+        prow = tidx // 8
+        pc = tidx % 8
+        slots = cute.make_rmem_tensor(ROW_PASSES, Int32)
+        for i in cutlass.range_constexpr(ROW_PASSES):
+            slots[i] = -1
+            if pos0 + prow + ROWS_PER_PASS * i < end:
+                slots[i] = mIdx[token, pos0 + prow + ROWS_PER_PASS * i]
+        raw_pipe.producer_acquire(state)
+        raw_stage = raw_ptr + state.index * (TILE_N * RAW_WORDS)
+        pe_stage = pe_ptr + state.index * (TILE_N * D_PE)
+        kv_base = mKV.iterator
+        swz = (pc ^ (prow % 8)) * 8
+        for i in cutlass.range_constexpr(ROW_PASSES):
+            r = prow + ROWS_PER_PASS * i
+            slot = slots[i]
+            # -1 rows: a 0-byte source fills the chunk with zeros; the address is the cache's first row
+            nbytes = Int32(0)
+            row_off = Int64(0)
+            if slot >= 0:
+                nbytes = Int32(16)
+                row_off = Int64(slot) * ROW_WORDS
+            for j in cutlass.range_constexpr((RAW_CHUNKS + 7) // 8):
+                if const_expr(8 * j + 8 <= RAW_CHUNKS):
+                    _cp16(raw_stage + (r * RAW_WORDS + (pc + 8 * j) * 4),
+                          kv_base + (row_off + (pc + 8 * j) * 4), nbytes)
+                else:
+                    if pc + 8 * j < RAW_CHUNKS:      # the last chunk (the scales): one thread of the 8
+                        _cp16(raw_stage + (r * RAW_WORDS + (pc + 8 * j) * 4),
+                              kv_base + (row_off + (pc + 8 * j) * 4), nbytes)
+            _cp16(pe_stage + (r * D_PE + swz), kv_base + (row_off + RAW_WORDS + pc * 4), nbytes)
+        # fires once this thread's copies so far have landed (the barrier counts 128 such arrivals)
+        raw_pipe.producer_commit(state)
+
+
+@cute.jit
+def _cp16(dst: cute.Pointer, src: cute.Pointer, nbytes: Int32):
+    """16 bytes global -> shared by cp.async (L2 only); nbytes 0 writes 16 zero bytes instead."""
+    nvvm.cp_async_shared_global(dst.llvm_ptr, src.llvm_ptr, 16, nvvm.LoadCacheModifierKind.CG,
+                                cp_size=nbytes.ir_value())
