@@ -27,6 +27,18 @@ def _inputs(b=2, s_q=1, h=16, d=576, page=64, pages=4, dtype=torch.bfloat16, kv_
     return q, kv, bt, lens
 
 
+@pytest.mark.parametrize("b, s_q, h, max_pages, want", [
+    (1, 1, 16, 64, 8),     # 1 CTA: one per SM of the CPU stand-in's 8
+    (2, 1, 128, 64, 2),    # 4 CTAs (two 64-row tiles each): 2 splits fill the 8 SMs in one wave
+    (3, 1, 16, 64, 2),     # 3 CTAs: 2 splits (6 CTAs); 3 would need a second wave
+    (1, 1, 16, 2, 1),      # a 128-token block table: splits of at least 256 tokens leave one
+    (1, 1, 16, 12, 3),     # 768 tokens: at most 3 such splits
+    (7, 1, 16, 64, 1),     # 7 CTAs >= 80% of 8 SMs: no split
+])
+def test_split_count_fills_one_wave(b, s_q, h, max_pages, want):
+    assert cd.choose_num_splits(b, s_q, h, max_pages, 64, CPU) == want
+
+
 def test_plan_splits_small_batches_and_sizes_the_workspace():
     plan = cd.plan_mla_decode(2, 1, 16, 512, 64, 64, False, CPU)
     want = cd.choose_num_splits(2, 1, 16, 64, 64, CPU)

@@ -27,7 +27,7 @@ import triton
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_pointers
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
-from mlaserve.kernels.triton.mla_decode_plan import choose_num_splits as _choose_num_splits
+from mlaserve.kernels.triton.mla_decode_plan import _MAX_SPLITS, _num_sms
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
 
 TILE_M = 64
@@ -96,8 +96,20 @@ def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
 
 def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, device: torch.device,
                       config: MLADecodeConfig = CONFIG) -> int:
-    """KV splits per request from shapes only (mla_decode_plan.choose_num_splits with 64-row tiles)."""
-    return _choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
+    """KV splits per request from shapes only (CUDA-graph safe): one split when the batch's 64-row tiles
+    come near filling the SMs, else as many as keep all CTAs in one wave (one CTA fits an SM: 227 KB of
+    smem), every split at least 256 tokens of the block table's capacity.
+
+    One full wave measured best on the H200 (scripts/cutedsl_check.py --splits, b 1/4/16 x h 16/64/128 at
+    s_k 32768): e.g. b 4 h 128 87.0 us at 16 splits (128 CTAs) against 90.7 us at the 15 of the Triton
+    kernel's rule (mla_decode_plan.choose_num_splits), which stops at 85% of the best wave efficiency.
+    """
+    programs = b * triton.cdiv(s_q * h, TILE_M)
+    sms = _num_sms(device)
+    if programs == 0 or programs >= 0.8 * sms:
+        return 1
+    cap = max(1, min(_MAX_SPLITS, (max_pages * page_size) // CONFIG.min_split_tokens))
+    return max(1, min(cap, sms // programs))
 
 
 def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,
@@ -112,6 +124,8 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
                          f"got page_size {page_size}, head_dim_v {head_dim_v}")
     if config is not None and config != CONFIG:
         raise ValueError(f"the cutedsl MLA decode has one config {CONFIG}, got {config}")
+    if num_splits is None:
+        num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, torch.device(device))
     return _plan_mla_decode(b, s_q, h, head_dim_v, max_pages, page_size, kv_fp8, device,
                             num_splits=num_splits, config=CONFIG, workspace=workspace)
 

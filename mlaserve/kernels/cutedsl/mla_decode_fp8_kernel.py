@@ -73,6 +73,7 @@ CONSUMER_THREADS = 256
 BAR_MAX = 1
 BAR_P = 2
 EXP_120 = 120 << 23   # adds 120 to an fp32 exponent: scale * 2^120
+KV_BLOCKS = D_V // 64  # the bf16 tile's 64-column blocks (one swizzle atom wide; 4 QK k-steps each)
 
 
 class MLADecodeFP8Sm90:
@@ -140,7 +141,7 @@ class MLADecodeFP8Sm90:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
             row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
 
         self.shared_storage = SharedStorage
@@ -168,10 +169,11 @@ class MLADecodeFP8Sm90:
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        kv_full = storage.kv_mbar.data_ptr()
-        kv_empty = kv_full + 1
+        kv_full = storage.kv_mbar.data_ptr()       # KV_BLOCKS barriers, one per 64-column block of the tile
+        kv_empty = kv_full + KV_BLOCKS
         if tidx == 0:
-            cute.arch.mbarrier_init(kv_full, LOADER_THREADS)
+            for cb in cutlass.range_constexpr(KV_BLOCKS):
+                cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
             cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
         # (the pipelines' creation fences the mbarrier inits and syncs the CTA)
         # raw stage: freed by the 4 loader warps (dequantized) and the 8 consumer warps (k_pe used in S),
@@ -223,30 +225,14 @@ class MLADecodeFP8Sm90:
                     _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, mBT[batch, first_page + t])
                 raw_p.advance()
 
-            # this thread's 8 e4m3 bytes of a row: chunk c of 64 (columns 8c..8c+7), rows 2i + (tidx // 64)
-            chunk = tidx % 64
-            raw_base = storage.sRaw.data_ptr().toint() + chunk * 8
-            # the bf16 tile's 128-byte swizzle: column block c // 8 (8 KB each), 16-byte unit (c % 8) ^ (row % 8)
-            kv_base = storage.sKV.data_ptr().toint() + (chunk // 8) * (TILE_N * 128)
+            raw_base = storage.sRaw.data_ptr().toint()
+            kv_base = storage.sKV.data_ptr().toint()
             raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
             for t in cutlass.range(n_tiles, unroll=1):
                 valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
                 raw_pipe.consumer_wait(raw_c)
                 cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
-                stage_base = raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4)
-                for i in cutlass.range(TILE_N // 2, unroll=4):
-                    row = 2 * i + tidx // 64
-                    src = stage_base + row * (RAW_WORDS * 4)
-                    scale_bits = _ld_shared_b32(stage_base - chunk * 8 + row * (RAW_WORDS * 4)
-                                                + (SCALE_WORD + chunk // 16) * 4)
-                    mult = _bf16x2_hi(scale_bits + EXP_120)
-                    if row >= valid:
-                        mult = Int32(0)
-                    dst = kv_base + row * 128 + ((chunk % 8) ^ (row % 8)) * 16
-                    _dequant8(src, dst, mult)
-                # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(kv_full)
+                _dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full, valid)
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(raw_c)
                 raw_c.advance()
@@ -308,9 +294,8 @@ class MLADecodeFP8Sm90:
                 tok0 = start + t * TILE_N
                 stage = raw_c.index
                 raw_pipe.consumer_wait(raw_c)
-                cute.arch.mbarrier_wait(kv_full, t % 2)
-                # -- S_w = Q_nope K_w^T + Q_pe Kpe_w^T --
-                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage])
+                # -- S_w = Q_pe Kpe_w^T + Q_nope K_w^T, each 64-column block of K as soon as it is converted --
+                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full, t % 2)
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(raw_c)
                 raw_c.advance()
@@ -405,17 +390,51 @@ def _load_page(raw_pipe, state, tma_raw: cute.CopyAtom, tRg: cute.Tensor, tRs: c
 
 
 @cute.jit
+def _dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.Pointer, valid: Int32):
+    """The loader warpgroup's conversion of one tile: raw stage (shared address `stage_base`, rows of 528 B:
+    e4m3 bytes then 4 fp32 scales) -> the bf16 c_kv tile (shared address `kv_base`, [64, 512] in 64-column
+    blocks of 8 KB, 128-byte swizzle), one column block at a time, arriving on kv_full[block] after each so
+    that the consumers' QK starts on the first blocks while the later ones are converted.
+
+    Thread p converts the 8 columns p % 8 of the block in rows p // 8 + 16 i: one 8-byte load and one
+    16-byte store each; rows >= `valid` become zeros (multiplier 0).
+    """
+    prow = tidx // 8
+    pc = tidx % 8
+    swz = (pc ^ (prow % 8)) * 16          # rows prow + 16 i share row % 8
+    for cb in cutlass.range_constexpr(KV_BLOCKS):
+        for i in cutlass.range_constexpr(TILE_N // 16):
+            row = prow + 16 * i
+            row_base = stage_base + row * (RAW_WORDS * 4)
+            # scale j covers columns 128 j .. 128 j + 127: blocks 2 j and 2 j + 1
+            mult = _bf16x2_hi(_ld_shared_b32(row_base + (SCALE_WORD + cb // 2) * 4) + EXP_120)
+            if row >= valid:
+                mult = Int32(0)
+            _dequant8(row_base + cb * 64 + pc * 8, kv_base + cb * (TILE_N * 128) + row * 128 + swz, mult)
+        # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full[cb]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_arrive(kv_full + cb)
+
+
+@cute.jit
 def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-             tSrQpe: cute.Tensor, tSrKpe: cute.Tensor):
-    """acc = Q_nope K^T + Q_pe Kpe^T as one wgmma group, waited for (the raw stage is released next)."""
+             tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, kv_full: cute.Pointer, phase: Int32):
+    """acc = Q_pe Kpe^T + Q_nope K^T as one wgmma group, waited for (the raw stage is released next).
+
+    k_pe is in the raw stage already; K's k-steps on each 64-column block are issued once the loader's
+    kv_full[block] completes its phase `phase`.
+    """
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)
-    for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-        cute.gemm(atom, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
     for k in cutlass.range_constexpr(cute.size(tSrQpe.shape[2])):
         cute.gemm(atom, acc, tSrQpe[None, None, k], tSrKpe[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    steps = cute.size(tSrQ.shape[2])
+    for k in cutlass.range_constexpr(steps):
+        if const_expr(k % (steps // KV_BLOCKS) == 0):
+            cute.arch.mbarrier_wait(kv_full + k // (steps // KV_BLOCKS), phase)
+        cute.gemm(atom, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
 

@@ -50,8 +50,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
-    EXP_120, _bf16x2_hi, _dequant8, _ld_shared_b32, _pv_gemm, _qk_gemm)
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import KV_BLOCKS, _dequant_tile, _pv_gemm, _qk_gemm
 
 TILE_M = 64           # heads per CTA: one wgmma M
 TILE_N = 64           # gathered rows per tile
@@ -129,7 +128,7 @@ class SparseMLAFP8Sm90:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
             row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
 
         self.shared_storage = SharedStorage
@@ -158,10 +157,11 @@ class SparseMLAFP8Sm90:
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        kv_full = storage.kv_mbar.data_ptr()
-        kv_empty = kv_full + 1
+        kv_full = storage.kv_mbar.data_ptr()       # KV_BLOCKS barriers, one per 64-column block of the tile
+        kv_empty = kv_full + KV_BLOCKS
         if tidx == 0:
-            cute.arch.mbarrier_init(kv_full, LOADER_THREADS)
+            for cb in cutlass.range_constexpr(KV_BLOCKS):
+                cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
             cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
         # (the pipelines' creation fences the mbarrier inits and syncs the CTA)
         # raw full: 128 loader threads, one cp.async noinc arrival each; raw empty: one lane of each of the
@@ -202,28 +202,15 @@ class SparseMLAFP8Sm90:
                              storage.sPE.data_ptr(), raw_pipe, raw_p)
                 raw_p.advance()
 
-            # this thread's 8 e4m3 bytes of a row: chunk c of 64 (columns 8c..8c+7), rows 2i + (tidx // 64)
-            chunk = tidx % 64
-            raw_base = storage.sRaw.data_ptr().toint() + chunk * 8
-            # the bf16 tile's 128-byte swizzle: column block c // 8 (8 KB each), 16-byte unit (c % 8) ^ (row % 8)
-            kv_base = storage.sKV.data_ptr().toint() + (chunk // 8) * (TILE_N * 128)
+            raw_base = storage.sRaw.data_ptr().toint()
+            kv_base = storage.sKV.data_ptr().toint()
             raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
             for t in cutlass.range(n_tiles, unroll=1):
                 raw_pipe.consumer_wait(raw_c)
                 cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
-                stage_base = raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4)
-                for i in cutlass.range(TILE_N // 2, unroll=4):
-                    row = 2 * i + tidx // 64
-                    src = stage_base + row * (RAW_WORDS * 4)
-                    scale_bits = _ld_shared_b32(stage_base - chunk * 8 + row * (RAW_WORDS * 4)
-                                                + (SCALE_WORD + chunk // 16) * 4)
-                    # a zero-filled row (index -1 or past the end) has scale bits 0 and bytes 0: it stays 0
-                    mult = _bf16x2_hi(scale_bits + EXP_120)
-                    dst = kv_base + row * 128 + ((chunk % 8) ^ (row % 8)) * 16
-                    _dequant8(src, dst, mult)
-                # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(kv_full)
+                # every row converts: a zero-filled one (index -1 or past the end) has bytes and scale 0 -> 0
+                _dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full,
+                              Int32(TILE_N))
                 cute.arch.sync_warp()
                 if cute.arch.lane_idx() == 0:
                     raw_pipe.consumer_release(raw_c)
@@ -293,9 +280,8 @@ class SparseMLAFP8Sm90:
                 raw_pipe.consumer_wait(raw_c)
                 # k_pe came by cp.async (generic proxy); wgmma reads it through the async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_wait(kv_full, t % 2)
-                # -- S_w = Q_nope K_w^T + Q_pe Kpe_w^T --
-                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage])
+                # -- S_w = Q_pe Kpe_w^T + Q_nope K_w^T, each 64-column block of K as soon as it is converted --
+                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full, t % 2)
                 # the wgmma wait is warp-wide: one lane per warp frees the raw stage
                 if cute.arch.lane_idx() == 0:
                     raw_pipe.consumer_release(raw_c)
