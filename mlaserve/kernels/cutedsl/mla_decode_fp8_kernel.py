@@ -48,7 +48,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -396,24 +396,35 @@ def _dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.
     blocks of 8 KB, 128-byte swizzle), one column block at a time, arriving on kv_full[block] after each so
     that the consumers' QK starts on the first blocks while the later ones are converted.
 
-    Thread p converts the 8 columns p % 8 of the block in rows p // 8 + 16 i: one 8-byte load and one
-    16-byte store each; rows >= `valid` become zeros (multiplier 0).
+    Thread p converts the 8 columns p % 8 of each block in rows p // 8 + 16 i (i < 4): one 8-byte load and
+    one 16-byte store each; rows >= `valid` become zeros (multiplier 0). The loader has one warp per SM
+    sub-partition, so nothing else hides its shared-memory latency: the loads of block b + 1 are issued
+    before block b is converted and stored (the asm blocks keep their source order).
     """
     prow = tidx // 8
     pc = tidx % 8
     swz = (pc ^ (prow % 8)) * 16          # rows prow + 16 i share row % 8
+    rows = TILE_N // 16
+    keep = [_all_ones_if_lt(prow + 16 * i, valid) for i in range(rows)]
+    row_base = [stage_base + (prow + 16 * i) * (RAW_WORDS * 4) for i in range(rows)]
+    # scale j covers columns 128 j .. 128 j + 127: blocks 2 j and 2 j + 1
+    raw = [_ld_shared_b64(row_base[i] + pc * 8) for i in range(rows)]
+    scale = [_ld_shared_b32(row_base[i] + SCALE_WORD * 4) for i in range(rows)]
     for cb in cutlass.range_constexpr(KV_BLOCKS):
-        for i in cutlass.range_constexpr(TILE_N // 16):
-            row = prow + 16 * i
-            row_base = stage_base + row * (RAW_WORDS * 4)
-            # scale j covers columns 128 j .. 128 j + 127: blocks 2 j and 2 j + 1
-            mult = _bf16x2_hi(_ld_shared_b32(row_base + (SCALE_WORD + cb // 2) * 4) + EXP_120)
-            if row >= valid:
-                mult = Int32(0)
-            _dequant8(row_base + cb * 64 + pc * 8, kv_base + cb * (TILE_N * 128) + row * 128 + swz, mult)
+        nxt_raw = raw
+        nxt_scale = scale
+        if const_expr(cb + 1 < KV_BLOCKS):
+            nxt_raw = [_ld_shared_b64(row_base[i] + (cb + 1) * 64 + pc * 8) for i in range(rows)]
+            if const_expr((cb + 1) % 2 == 0):
+                nxt_scale = [_ld_shared_b32(row_base[i] + (SCALE_WORD + (cb + 1) // 2) * 4) for i in range(rows)]
+        for i in cutlass.range_constexpr(rows):
+            mult = _bf16x2_hi(scale[i] + EXP_120) & keep[i]
+            _convert8_store(raw[i], kv_base + cb * (TILE_N * 128) + (prow + 16 * i) * 128 + swz, mult)
         # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full[cb]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(kv_full + cb)
+        raw = nxt_raw
+        scale = nxt_scale
 
 
 @cute.jit
@@ -468,8 +479,25 @@ def _bf16x2_hi(bits: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def _dequant8(src: Int32, dst: Int32, mult: Int32, *, loc=None, ip=None) -> None:
-    """8 e4m3 bytes at shared `src` -> 8 bf16 (e4m3 * scale, RNE) as one 16-byte store at shared `dst`.
+def _ld_shared_b64(addr: Int32, *, loc=None, ip=None) -> Int64:
+    """The 8 bytes at shared address `addr` (8-byte aligned)."""
+    return Int64(llvm.inline_asm(
+        Int64.mlir_type, [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.b64 $0, [$1];", "=l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _all_ones_if_lt(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    """0xFFFFFFFF where a < b, else 0."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\nsetp.lt.s32 p, $1, $2;\nselp.b32 $0, -1, 0, p;\n}\n", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _convert8_store(raw: Int64, dst: Int32, mult: Int32, *, loc=None, ip=None) -> None:
+    """8 e4m3 bytes (`raw`) -> 8 bf16 (e4m3 * scale, RNE) as one 16-byte store at shared `dst`.
 
     prmt with selector 0x9180 (0xB3A2) puts bytes 0, 1 (2, 3) into the two 16-bit halves sign-extended;
     << 4 and the mask 0x87F0 per half leave the sign at bit 15 and exponent + mantissa at bits 4..10: the
@@ -477,11 +505,11 @@ def _dequant8(src: Int32, dst: Int32, mult: Int32, *, loc=None, ip=None) -> None
     """
     llvm.inline_asm(
         None,
-        [Int32(src).ir_value(loc=loc, ip=ip), Int32(dst).ir_value(loc=loc, ip=ip),
+        [Int64(raw).ir_value(loc=loc, ip=ip), Int32(dst).ir_value(loc=loc, ip=ip),
          Int32(mult).ir_value(loc=loc, ip=ip)],
         "{\n"
         ".reg .b32 w0, w1, y0, y1, y2, y3, nz;\n"
-        "ld.shared.v2.b32 {w0, w1}, [$0];\n"
+        "mov.b64 {w0, w1}, $0;\n"
         "mov.b32 nz, 0x80008000;\n"
         "prmt.b32 y0, w0, 0, 0x9180;\n"
         "prmt.b32 y1, w0, 0, 0xB3A2;\n"
@@ -501,5 +529,5 @@ def _dequant8(src: Int32, dst: Int32, mult: Int32, *, loc=None, ip=None) -> None
         "fma.rn.bf16x2 y3, y3, $2, nz;\n"
         "st.shared.v4.b32 [$1], {y0, y1, y2, y3};\n"
         "}\n",
-        "r,r,r",
+        "l,r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
