@@ -46,8 +46,6 @@ Barriers per page t (stage s = t % 2):
                the consumers' wgmma on that block (8 barriers, one phase per page)
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -57,6 +55,9 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from mlaserve.kernels.cutedsl.split_consumers import (
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows)
 
 TILE_M = 64           # query rows per CTA: one wgmma M
 TILE_N = 64           # cached tokens per tile: one page
@@ -74,9 +75,6 @@ LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 65536
 THREADS = 3 * 128
 LOADER_THREADS = 128
-CONSUMER_THREADS = 256
-BAR_MAX = 1
-BAR_P = 2
 EXP_120 = 120 << 23   # adds 120 to an fp32 exponent: scale * 2^120
 KV_BLOCKS = D_V // 64  # the bf16 tile's 64-column blocks (one swizzle atom wide; 4 QK k-steps each)
 
@@ -280,6 +278,8 @@ class MLADecodeFP8Sm90:
             vis = cute.make_rmem_tensor(2, Int32)      # keys visible to each of the thread's rows
             row_m = cute.make_rmem_tensor(2, Float32)  # running max (log2 units)
             row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
+            alpha = cute.make_rmem_tensor(2, Float32)
+            m_base = cute.make_rmem_tensor(2, Float32)
             for hr in cutlass.range_constexpr(2):
                 r_glob = m_block * TILE_M + r0 + 8 * hr
                 v = seqlen
@@ -310,61 +310,17 @@ class MLADecodeFP8Sm90:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         if tok0 + cw * HALF_N + tScS[i][1] >= vis[(i // 2) % 2]:
                             acc_s[i] = -Float32.inf
-                # -- row maxima of the whole tile: quad, then the other consumer through smem --
-                mx = cute.make_rmem_tensor(2, Float32)
-                mx[0] = -Float32.inf
-                mx[1] = -Float32.inf
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
-                for hr in cutlass.range_constexpr(2):
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    if ctid % 4 == 0:
-                        sStat[r0 + 8 * hr, cw] = mx[hr]
-                cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
-                alpha = cute.make_rmem_tensor(2, Float32)
-                m_base = cute.make_rmem_tensor(2, Float32)
-                for hr in cutlass.range_constexpr(2):
-                    m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], sStat[r0 + 8 * hr, 1 - cw]))
-                    # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
-                    m_base[hr] = m_new
-                    if m_new == -Float32.inf:
-                        m_base[hr] = 0.0
-                    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-                    row_m[hr] = m_new
-                    row_l[hr] = row_l[hr] * alpha[hr]
-                # -- P_w = exp2(S_w - m) -> smem --
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    p = cute.arch.exp2(acc_s[i] - m_base[(i // 2) % 2])
-                    acc_s[i] = p
-                    row_l[(i // 2) % 2] = row_l[(i // 2) % 2] + p
-                rP.store(acc_s.load().to(self.dtype))
-                cute.autovec_copy(rP, tPsP)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
+                publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+                scale_rows(acc_o, alpha)
                 _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
                 cute.arch.mbarrier_arrive(kv_empty)
 
-            # -- epilogue: whole row sums (quad, then both consumers), normalize, store. The row sums reuse
-            # the maxima's smem: the other consumer read this one's maxima before the last BAR_P. --
-            for hr in cutlass.range_constexpr(2):
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
-                if ctid % 4 == 0:
-                    sStat[r0 + 8 * hr, cw] = row_l[hr]
-            cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+            # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
-            for hr in cutlass.range_constexpr(2):
-                total = sStat[r0 + 8 * hr, 0] + sStat[r0 + 8 * hr, 1]
-                inv_l[hr] = 0.0
-                lse[hr] = -Float32.inf
-                if total > 0.0:
-                    inv_l[hr] = 1.0 / total
-                    lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            finish_rows(row_m, row_l, sStat, r0, cw, ctid, inv_l, lse)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 r = m_block * TILE_M + tOcO[i][0]
                 if r < rows:

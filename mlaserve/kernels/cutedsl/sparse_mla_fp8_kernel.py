@@ -43,8 +43,6 @@ cp.async writes through the generic proxy, wgmma reads through the async proxy: 
 their raw-full wait (k_pe), the loader before its kv_full arrival (c_kv).
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -55,6 +53,8 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import KV_BLOCKS, _dequant_tile, _pv_gemm, _qk_gemm
+from mlaserve.kernels.cutedsl.split_consumers import (
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias, store_sparse)
 
 TILE_M = 64           # heads per CTA: one wgmma M
 TILE_N = 64           # gathered rows per tile
@@ -73,9 +73,6 @@ LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
 THREADS = 3 * 128
 LOADER_THREADS = 128
-CONSUMER_THREADS = 256
-BAR_MAX = 1
-BAR_P = 2
 ROWS_PER_PASS = LOADER_THREADS // 8   # 16: 8 threads per gathered row
 ROW_PASSES = TILE_N // ROWS_PER_PASS  # 4
 
@@ -262,6 +259,8 @@ class SparseMLAFP8Sm90:
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4
             row_m = cute.make_rmem_tensor(2, Float32)  # running max (log2 units)
             row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
+            alpha = cute.make_rmem_tensor(2, Float32)
+            m_base = cute.make_rmem_tensor(2, Float32)
             for hr in cutlass.range_constexpr(2):
                 row_m[hr] = -Float32.inf
                 row_l[hr] = 0.0
@@ -272,15 +271,7 @@ class SparseMLAFP8Sm90:
             for t in cutlass.range(n_tiles, unroll=1):
                 stage = raw_c.index
                 # -- this half's keys: -inf where the index is -1 or past the split (read before the waits) --
-                key0 = start + t * TILE_N + cw * HALF_N
-                for i in cutlass.range_constexpr(n_vals):
-                    if const_expr((i // 2) % 2 == 0):
-                        j = (i % 2) + 2 * (i // 4)
-                        pos = key0 + tScS[i][1]
-                        bias[j] = -Float32.inf
-                        if pos < end:
-                            if mIdx[token, pos] >= 0:
-                                bias[j] = 0.0
+                sparse_key_bias(bias, tScS, start + t * TILE_N + cw * HALF_N, end, mIdx, token)
                 raw_pipe.consumer_wait(raw_c)
                 # k_pe came by cp.async (generic proxy); wgmma reads it through the async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -292,78 +283,19 @@ class SparseMLAFP8Sm90:
                 raw_c.advance()
                 for i in cutlass.range_constexpr(n_vals):
                     acc_s[i] = acc_s[i] * scale_log2 + bias[(i % 2) + 2 * (i // 4)]
-                # -- row maxima of the whole tile: quad, then the other consumer through smem --
-                mx = cute.make_rmem_tensor(2, Float32)
-                mx[0] = -Float32.inf
-                mx[1] = -Float32.inf
-                for i in cutlass.range_constexpr(n_vals):
-                    mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
-                for hr in cutlass.range_constexpr(2):
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    if ctid % 4 == 0:
-                        sStat[r0 + 8 * hr, cw] = mx[hr]
-                cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
-                alpha = cute.make_rmem_tensor(2, Float32)
-                m_base = cute.make_rmem_tensor(2, Float32)
-                for hr in cutlass.range_constexpr(2):
-                    m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], sStat[r0 + 8 * hr, 1 - cw]))
-                    # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
-                    m_base[hr] = m_new
-                    if m_new == -Float32.inf:
-                        m_base[hr] = 0.0
-                    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-                    row_m[hr] = m_new
-                    row_l[hr] = row_l[hr] * alpha[hr]
-                # -- P_w = exp2(S_w - m) -> smem --
-                for i in cutlass.range_constexpr(n_vals):
-                    p = cute.arch.exp2(acc_s[i] - m_base[(i // 2) % 2])
-                    acc_s[i] = p
-                    row_l[(i // 2) % 2] = row_l[(i // 2) % 2] + p
-                rP.store(acc_s.load().to(self.dtype))
-                cute.autovec_copy(rP, tPsP)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
+                publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+                scale_rows(acc_o, alpha)
                 _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
                 cute.arch.mbarrier_arrive(kv_empty)
 
-            # -- epilogue: whole row sums (quad, then both consumers), normalize, store. The row sums reuse
-            # the maxima's smem: the other consumer read this one's maxima before the last BAR_P. --
-            for hr in cutlass.range_constexpr(2):
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
-                if ctid % 4 == 0:
-                    sStat[r0 + 8 * hr, cw] = row_l[hr]
-            cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+            # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
-            for hr in cutlass.range_constexpr(2):
-                total = sStat[r0 + 8 * hr, 0] + sStat[r0 + 8 * hr, 1]
-                inv_l[hr] = 0.0
-                lse[hr] = -Float32.inf
-                if total > 0.0:
-                    inv_l[hr] = 1.0 / total
-                    lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                head = m_block * TILE_M + tOcO[i][0]
-                if head < h:
-                    val = acc_o[i] * inv_l[(i // 2) % 2]
-                    col = cw * HALF_V + tOcO[i][1]
-                    if const_expr(self.is_split):
-                        mPO[split, token, head, col] = val
-                    else:
-                        mOut[token, head, col] = val.to(self.dtype)
-            if cw == 0 and ctid % 4 == 0:
-                for hr in cutlass.range_constexpr(2):
-                    head = m_block * TILE_M + r0 + 8 * hr
-                    if head < h:
-                        if const_expr(self.is_split):
-                            mPL[split, token, head] = lse[hr]
-                        else:
-                            mLse[token, head] = lse[hr]
+            finish_rows(row_m, row_l, sStat, r0, cw, ctid, inv_l, lse)
+            store_sparse(acc_o, inv_l, lse, tOcO, r0, cw, ctid, m_block * TILE_M, h, token, split, mOut, mLse,
+                         mPO, mPL, self.is_split)
 
     @cute.jit
     def _gather(self, tidx: Int32, token: Int32, pos0: Int32, end: Int32, mKV: cute.Tensor, mIdx: cute.Tensor,

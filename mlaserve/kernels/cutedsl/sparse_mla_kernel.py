@@ -38,16 +38,17 @@ Synchronisation inside one tile (both consumers): wait full[stage], fence.proxy.
 empty[stage] (one lane per warp). One buffer each of maxima and P suffices (the dense kernel's argument).
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from mlaserve.kernels.cutedsl.split_consumers import (
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias, store_sparse)
 
 TILE_M = 64          # heads per CTA: one wgmma M
 TILE_N = 64          # gathered cache rows per stage
@@ -60,9 +61,6 @@ PRODUCER_REGS = 40    # address math for 36 copies per tile; 40 + 2 * 232 per 12
 CONSUMER_REGS = 232
 THREADS = 3 * 128
 PRODUCER_THREADS = 128
-CONSUMER_THREADS = 256
-BAR_MAX = 1           # named barriers (0 is __syncthreads)
-BAR_P = 2
 
 CHUNK = 8                                  # 16-bit values per 16-byte cp.async
 CHUNKS_PER_ROW = D_QK // CHUNK             # 72
@@ -221,6 +219,8 @@ class SparseMLASm90:
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4
             row_m = cute.make_rmem_tensor(2, Float32)  # running max (log2 units)
             row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
+            alpha = cute.make_rmem_tensor(2, Float32)
+            m_base = cute.make_rmem_tensor(2, Float32)
             for hr in cutlass.range_constexpr(2):
                 row_m[hr] = -Float32.inf
                 row_l[hr] = 0.0
@@ -231,15 +231,7 @@ class SparseMLASm90:
             for t in cutlass.range(n_tiles, unroll=1):
                 stage = kv_state.index
                 # -- this half's keys: -inf where the index is -1 or past the split (read before the wait) --
-                key0 = start + t * TILE_N + cw * HALF_N
-                for i in cutlass.range_constexpr(n_vals):
-                    if const_expr((i // 2) % 2 == 0):
-                        j = (i % 2) + 2 * (i // 4)
-                        pos = key0 + tScS[i][1]
-                        bias[j] = -Float32.inf
-                        if pos < end:
-                            if mIdx[token, pos] >= 0:
-                                bias[j] = 0.0
+                sparse_key_bias(bias, tScS, start + t * TILE_N + cw * HALF_N, end, mIdx, token)
                 kv_pipe.consumer_wait(kv_state)
                 # cp.async wrote the stage through the generic proxy; wgmma reads it through the async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -247,42 +239,10 @@ class SparseMLASm90:
                 _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True)
                 for i in cutlass.range_constexpr(n_vals):
                     acc_s[i] = acc_s[i] * scale_log2 + bias[(i % 2) + 2 * (i // 4)]
-                # -- row maxima of the whole tile: quad, then the other consumer through smem --
-                mx = cute.make_rmem_tensor(2, Float32)
-                mx[0] = -Float32.inf
-                mx[1] = -Float32.inf
-                for i in cutlass.range_constexpr(n_vals):
-                    mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
-                for hr in cutlass.range_constexpr(2):
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    if ctid % 4 == 0:
-                        sMax[r0 + 8 * hr, cw] = mx[hr]
-                cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
-                alpha = cute.make_rmem_tensor(2, Float32)
-                m_base = cute.make_rmem_tensor(2, Float32)
-                for hr in cutlass.range_constexpr(2):
-                    m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], sMax[r0 + 8 * hr, 1 - cw]))
-                    # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
-                    m_base[hr] = m_new
-                    if m_new == -Float32.inf:
-                        m_base[hr] = 0.0
-                    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-                    row_m[hr] = m_new
-                    row_l[hr] = row_l[hr] * alpha[hr]
-                # -- P_w = exp2(S_w - m) -> smem --
-                for i in cutlass.range_constexpr(n_vals):
-                    p = cute.arch.exp2(acc_s[i] - m_base[(i // 2) % 2])
-                    acc_s[i] = p
-                    row_l[(i // 2) % 2] = row_l[(i // 2) % 2] + p
-                rP.store(acc_s.load().to(self.dtype))
-                cute.autovec_copy(rP, tPsP)
-                # generic-proxy smem writes (P) become visible to wgmma's async proxy
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sMax, r0, cw, ctid)
+                publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+                scale_rows(acc_o, alpha)
                 _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, stage], False)
                 # the wgmma wait above is warp-wide: one lane per warp may free the stage
                 if cute.arch.lane_idx() == 0:
@@ -290,38 +250,11 @@ class SparseMLASm90:
                 kv_state.advance()
 
             # -- epilogue: whole row sums (quad, then both consumers), normalize, store --
-            for hr in cutlass.range_constexpr(2):
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
-                if ctid % 4 == 0:
-                    sSum[r0 + 8 * hr, cw] = row_l[hr]
-            cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
-            for hr in cutlass.range_constexpr(2):
-                total = sSum[r0 + 8 * hr, 0] + sSum[r0 + 8 * hr, 1]
-                inv_l[hr] = 0.0
-                lse[hr] = -Float32.inf
-                if total > 0.0:
-                    inv_l[hr] = 1.0 / total
-                    lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                head = m_block * TILE_M + tOcO[i][0]
-                if head < h:
-                    val = acc_o[i] * inv_l[(i // 2) % 2]
-                    col = cw * HALF_V + tOcO[i][1]
-                    if const_expr(self.is_split):
-                        mPO[split, token, head, col] = val
-                    else:
-                        mOut[token, head, col] = val.to(self.dtype)
-            if cw == 0 and ctid % 4 == 0:
-                for hr in cutlass.range_constexpr(2):
-                    head = m_block * TILE_M + r0 + 8 * hr
-                    if head < h:
-                        if const_expr(self.is_split):
-                            mPL[split, token, head] = lse[hr]
-                        else:
-                            mLse[token, head] = lse[hr]
+            finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse)
+            store_sparse(acc_o, inv_l, lse, tOcO, r0, cw, ctid, m_block * TILE_M, h, token, split, mOut, mLse,
+                         mPO, mPL, self.is_split)
 
     @cute.jit
     def _gather(self, tidx: Int32, token: Int32, start: Int32, end: Int32, n_tiles: Int32, mKV: cute.Tensor,

@@ -1,0 +1,138 @@
+"""The math of the "split" consumer pair that three CuTe DSL kernels share: the FP8 dense decode
+(mla_decode_fp8_kernel.py), the bf16/fp16 sparse MLA (sparse_mla_kernel.py) and the FP8 sparse MLA
+(sparse_mla_fp8_kernel.py). (The bf16/fp16 dense decode, mla_decode_kernel.py, has the seesaw instead.)
+
+Two consumer warpgroups (256 threads) share a 64-row tile: consumer w computes S_w for keys 32w..32w+32
+of the tile (a wgmma m64n32 accumulator) and O_w for columns 256w..256w+256. Each thread of a wgmma m64
+accumulator holds two rows, r0 and r0 + 8 (value index i: bit 1 picks the row, `(i // 2) % 2`), shared
+with the three other lanes of its quad; value i = v0 + 2 v1 + 4 v2 sits in column pair v0, row half v1,
+8-column group v2. The two consumers meet on named barriers BAR_MAX (row maxima, later row sums) and
+BAR_P (P complete in smem). Everything here is inlined into the calling kernel at trace time: moving the
+kernels' copies here left their SASS instruction for instruction the same (sm_90a, all six specializations).
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+BAR_MAX = 1           # named barriers (0 is __syncthreads)
+BAR_P = 2
+CONSUMER_THREADS = 256
+HALF_V = 256          # columns of O per consumer
+
+
+def row_of(i: int) -> int:
+    """Which of a thread's two accumulator rows value i belongs to."""
+    return (i // 2) % 2
+
+
+@cute.jit
+def sparse_key_bias(bias: cute.Tensor, tScS: cute.Tensor, key0: Int32, end: Int32, mIdx: cute.Tensor,
+                    token: Int32):
+    """bias[j] = 0 or -inf for each distinct key j = v0 + 2 v2 of this thread's S values: -inf where the
+    key's position key0 + column is past `end` or its index mIdx[token, position] is -1."""
+    for i in cutlass.range_constexpr(cute.size(tScS)):
+        if const_expr(row_of(i) == 0):
+            j = (i % 2) + 2 * (i // 4)
+            pos = key0 + tScS[i][1]
+            bias[j] = -Float32.inf
+            if pos < end:
+                if mIdx[token, pos] >= 0:
+                    bias[j] = 0.0
+
+
+@cute.jit
+def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, alpha: cute.Tensor,
+                        m_base: cute.Tensor, s_max: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32):
+    """The online-softmax step of one tile (S in log2 units in acc_s): the rows' maxima over this consumer's
+    keys (quad shuffles), exchanged with the other consumer through s_max [64, 2] and BAR_MAX; then the new
+    running max row_m, alpha = exp2(old - new), row_l *= alpha. m_base is the max to exponentiate against:
+    0 for a row that has seen no key yet (its m stays -inf), so that its P is 0, not NaN."""
+    mx = cute.make_rmem_tensor(2, Float32)
+    mx[0] = -Float32.inf
+    mx[1] = -Float32.inf
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        mx[row_of(i)] = cute.arch.fmax(mx[row_of(i)], acc_s[i])
+    for hr in cutlass.range_constexpr(2):
+        mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
+        mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
+        if ctid % 4 == 0:
+            s_max[r0 + 8 * hr, cw] = mx[hr]
+    cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+    for hr in cutlass.range_constexpr(2):
+        m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], s_max[r0 + 8 * hr, 1 - cw]))
+        m_base[hr] = m_new
+        if m_new == -Float32.inf:
+            m_base[hr] = 0.0
+        alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
+        row_m[hr] = m_new
+        row_l[hr] = row_l[hr] * alpha[hr]
+
+
+@cute.jit
+def publish_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor, tPsP: cute.Tensor):
+    """P_w = exp2(S_w - m) (added into row_l) -> smem as this consumer's 32 columns of P, made visible to
+    wgmma's async proxy, then BAR_P: after it both halves of P are in smem."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        p = cute.arch.exp2(acc_s[i] - m_base[row_of(i)])
+        acc_s[i] = p
+        row_l[row_of(i)] = row_l[row_of(i)] + p
+    rP.store(acc_s.load().to(rP.element_type))
+    cute.autovec_copy(rP, tPsP)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def scale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
+    """O_w *= alpha per row."""
+    for i in cutlass.range_constexpr(cute.size(acc_o)):
+        acc_o[i] = acc_o[i] * alpha[row_of(i)]
+
+
+@cute.jit
+def finish_rows(row_m: cute.Tensor, row_l: cute.Tensor, s_sum: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32,
+                inv_l: cute.Tensor, lse: cute.Tensor):
+    """After the last tile: the rows' whole sums (quad shuffles, then both consumers through s_sum [64, 2]
+    and BAR_MAX) -> inv_l = 1 / sum and lse = natural-log logsumexp (0 and -inf for a row with no key).
+    s_sum may be the maxima's buffer: the other consumer read this one's maxima before the last BAR_P."""
+    for hr in cutlass.range_constexpr(2):
+        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
+        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
+        if ctid % 4 == 0:
+            s_sum[r0 + 8 * hr, cw] = row_l[hr]
+    cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+    for hr in cutlass.range_constexpr(2):
+        total = s_sum[r0 + 8 * hr, 0] + s_sum[r0 + 8 * hr, 1]
+        inv_l[hr] = 0.0
+        lse[hr] = -Float32.inf
+        if total > 0.0:
+            inv_l[hr] = 1.0 / total
+            lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+
+
+@cute.jit
+def store_sparse(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, r0: Int32,
+                 cw: Int32, ctid: Int32, head0: Int32, h: Int32, token: Int32, split: Int32, mOut: cute.Tensor,
+                 mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, is_split: cutlass.Constexpr[bool]):
+    """The sparse kernels' epilogue: heads head0 + row (< h) of `token`, O_w normalized into out [tokens, h,
+    512] (out's dtype) and lse into [tokens, h], or fp32 into the split partials [splits, tokens, h, ...]."""
+    for i in cutlass.range_constexpr(cute.size(acc_o)):
+        head = head0 + tOcO[i][0]
+        if head < h:
+            val = acc_o[i] * inv_l[row_of(i)]
+            col = cw * HALF_V + tOcO[i][1]
+            if const_expr(is_split):
+                mPO[split, token, head, col] = val
+            else:
+                mOut[token, head, col] = val.to(mOut.element_type)
+    if cw == 0 and ctid % 4 == 0:
+        for hr in cutlass.range_constexpr(2):
+            head = head0 + r0 + 8 * hr
+            if head < h:
+                if const_expr(is_split):
+                    mPL[split, token, head] = lse[hr]
+                else:
+                    mLse[token, head] = lse[hr]
