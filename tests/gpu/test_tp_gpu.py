@@ -3,7 +3,7 @@
 tp_size 2 against tp_size 1 on tiny V3 and V3.2 (DSA) models:
 - float32 through the torch backend: the same tokens, logprobs within 1e-4 (only the all-reduce's
   summation order differs);
-- float16 through the triton backend: prompt logprobs within 0.02, generated tokens equal except after a
+- float16 through the triton backend: prompt logprobs within 0.05, generated tokens equal except after a
   near tie of the single-GPU run. Not bfloat16: on the H200 the tiny DSA model (index_topk 8 of ~45 keys)
   already picks other first tokens in bf16 than in fp32 through the torch reference itself (2 of 4 prompts)
   and through triton (3 of 4, another set), because 8 mantissa bits flip the indexer's top-k; in fp16
@@ -81,7 +81,7 @@ def test_nccl_two_ranks_triton_fp16(arch):
     ref, ref_prompt, _, _ = _run(path, 1, "float16", "triton")
     outs, prompt, leaked, exits = _run(path, 2, "float16", "triton")
     assert leaked == [] and exits == [0]
-    _tokens_equal_but_near_ties(ref, outs, tie=0.02)
+    _tokens_equal_but_near_ties(ref, outs, tie=0.05)
     for a, b in zip(ref_prompt, prompt):
         diff = (torch.tensor(b.prompt_logprobs[1:]) - torch.tensor(a.prompt_logprobs[1:])).abs().max().item()
-        assert diff < 0.02, diff
+        assert diff < 0.05, diff
