@@ -44,9 +44,11 @@ def make_case(lens, s_q, h, dtype, seed):
     order = torch.randperm(num_pages, generator=gen)
     at = 0
     for i, n in enumerate(lens):
-        table[i, :need[i]] = order[at:at + need[i]].int()
-        for t in range(n):
-            owned[order[at + t // page], t % page] = True
+        pages = order[at:at + need[i]]
+        table[i, :need[i]] = pages.int()
+        if n:
+            owned[pages[:-1]] = True                          # whole pages
+            owned[pages[-1], :n - (need[i] - 1) * page] = True  # the last one up to the request's end
         at += need[i]
     kv[~owned] = float("nan")
     q = torch.randn(b, s_q, h, 576, generator=gen).to(dtype)
