@@ -249,29 +249,8 @@ class MLADecodeFP8Sm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             cw = wg - 1                  # which half: keys 32cw.. of S, columns 256cw.. of O
             ctid = tidx % 128
-            thr_qk = tiled_mma_qk.get_slice(ctid)
-            thr_pv = tiled_mma_pv.get_slice(ctid)
-            sQ_nope = cute.local_tile(sQ, (TILE_M, D_V), (0, 0))
-            sQ_pe = cute.local_tile(sQ, (TILE_M, D_PE), (0, D_V // D_PE))
-            sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
-            sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
-            # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
-            sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
-            sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
-            sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
-            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_nope))
-            tSrQpe = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_pe))
-            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK_w))
-            tSrKpe = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_w))
-            tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
-            tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w))
-            tPsP = thr_qk.partition_C(sP_w)
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
-            acc_o.fill(0.0)
-            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N)))
-            tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V)))
-            rP = cute.make_fragment_like(acc_s, self.dtype)
+            (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP) = _consumer_operands(
+                tiled_mma_qk, tiled_mma_pv, ctid, cw, sQ, sKV, sPE, sP)
 
             # a wgmma m64 accumulator gives each thread rows r0 and r0 + 8 (value index bit 1 picks the row)
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4
@@ -338,6 +317,36 @@ class MLADecodeFP8Sm90:
                             mPL[batch, split, r] = lse[hr]
                         else:
                             mLse[batch, r] = lse[hr]
+
+
+def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, ctid, cw, sQ: cute.Tensor,
+                       sKV: cute.Tensor, sPE: cute.Tensor, sP: cute.Tensor):
+    """Consumer cw's wgmma operands over the FP8 kernels' smem (Q [64, 576]; the bf16 c_kv tile [64, 512];
+    the raw ring's k_pe [64, 64, stages]; P [64, 64]) and its accumulators (O zeroed), traced inline:
+    (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP)."""
+    thr_qk = tiled_mma_qk.get_slice(ctid)
+    thr_pv = tiled_mma_pv.get_slice(ctid)
+    sQ_nope = cute.local_tile(sQ, (TILE_M, D_V), (0, 0))
+    sQ_pe = cute.local_tile(sQ, (TILE_M, D_PE), (0, D_V // D_PE))
+    sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
+    sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
+    # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
+    sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+    sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
+    sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
+    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
+    acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
+    acc_o.fill(0.0)
+    return (tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_nope)),
+            tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_pe)),
+            tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK_w)),
+            tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_w)),
+            tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP)),
+            tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w)),
+            thr_qk.partition_C(sP_w), acc_s, acc_o,
+            thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N))),
+            thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V))),
+            cute.make_fragment_like(acc_s, sQ.element_type))
 
 
 @cute.jit

@@ -52,7 +52,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import KV_BLOCKS, _dequant_tile, _pv_gemm, _qk_gemm
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
+    KV_BLOCKS, _consumer_operands, _dequant_tile, _pv_gemm, _qk_gemm)
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias, store_sparse)
 
@@ -228,29 +229,8 @@ class SparseMLAFP8Sm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             cw = wg - 1                  # which half: keys 32cw.. of S, columns 256cw.. of O
             ctid = tidx % 128
-            thr_qk = tiled_mma_qk.get_slice(ctid)
-            thr_pv = tiled_mma_pv.get_slice(ctid)
-            sQ_nope = cute.local_tile(sQ, (TILE_M, D_V), (0, 0))
-            sQ_pe = cute.local_tile(sQ, (TILE_M, D_PE), (0, D_V // D_PE))
-            sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
-            sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
-            # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
-            sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
-            sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
-            sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
-            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_nope))
-            tSrQpe = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_pe))
-            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK_w))
-            tSrKpe = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_w))
-            tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
-            tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w))
-            tPsP = thr_qk.partition_C(sP_w)
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
-            acc_o.fill(0.0)
-            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N)))
-            tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V)))
-            rP = cute.make_fragment_like(acc_s, self.dtype)
+            (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP) = _consumer_operands(
+                tiled_mma_qk, tiled_mma_pv, ctid, cw, sQ, sKV, sPE, sP)
             n_vals = cute.size(acc_s)
             # value i = v0 + 2 v1 + 4 v2 sits in column pair v0, row half v1, 8-column group v2: the thread's
             # distinct keys are j = v0 + 2 v2 (sparse_mla_kernel.py)
