@@ -34,9 +34,9 @@ tile does not fit beside Q, so a page's dequantization waits for the consumers' 
 it; only the QK overlaps it, block by block. Measured on the H200 (b128 s_k 8192): converting the whole
 tile before releasing it gave 1.47 TB/s at h16 and 305 TFLOP/s at h128; the blocks with loads issued a
 block ahead give 1.80 TB/s and 372 TFLOP/s (the loader has one warp per SM sub-partition, so its shared
-loads' latency was exposed on every 8-byte unit). Where rows are few (h16, s_q 1) the 64-row wgmma tiles do 4x the needed MMA work; that, not memory,
-bounds such shapes near the bf16 kernel's time (~1.2 us of wgmma a page at peak), so FP8's 1.6x there
-needs keys on wgmma's M side (S^T = K Q^T, N = rows), which this kernel does not do.
+loads' latency was exposed on every 8-byte unit). Where rows are few (h16, s_q 1) the 64-row wgmma tiles
+do 4x the needed MMA work (~1.2 us of wgmma a page at peak, near the bf16 kernel's memory time), so FP8's
+1.6x there needs keys on wgmma's M side (S^T = K Q^T, N = rows), which this kernel does not do.
 
 Barriers per page t (stage s = t % 2):
   raw full[s]  (TMA tx 41984 B)                    loader waits, consumers wait (k_pe)
@@ -57,7 +57,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows)
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas)
 
 TILE_M = 64           # query rows per CTA: one wgmma M
 TILE_N = 64           # cached tokens per tile: one page
@@ -127,12 +127,7 @@ class MLADecodeFP8Sm90:
         tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(
             tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)), (TILE_N, D_PE))
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (TILE_M, HALF_N))
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (TILE_M, HALF_V))
+        tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
 
         # the 1024-aligned buffers first (all multiples of 1 KB: no padding), the small arrays after them
         @cute.struct

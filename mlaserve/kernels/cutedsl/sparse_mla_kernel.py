@@ -48,7 +48,8 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias, store_sparse)
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias, split_tiled_mmas,
+    store_sparse)
 
 TILE_M = 64          # heads per CTA: one wgmma M
 TILE_N = 64          # gathered cache rows per stage
@@ -112,12 +113,7 @@ class SparseMLASm90:
         # Q rows past h (h < 64) lie outside the tensor: TMA fills them with zeros
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (TILE_M, D_QK))
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (TILE_M, HALF_N))
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (TILE_M, HALF_V))
+        tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
 
         @cute.struct
         class SharedStorage:

@@ -15,7 +15,9 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
 
 BAR_MAX = 1           # named barriers (0 is __syncthreads)
 BAR_P = 2
@@ -26,6 +28,16 @@ HALF_V = 256          # columns of O per consumer
 def row_of(i: int) -> int:
     """Which of a thread's two accumulator rows value i belongs to."""
     return (i // 2) % 2
+
+
+def split_tiled_mmas(dtype):
+    """The pair's two MMAs for 16-bit operands: S_w = Q K_w^T at m64n32 (both K-major) and O_w += P V_w at
+    m64n256 (V read as MN-major B from the K-major cache tile)."""
+    qk = sm90_utils.make_trivial_tiled_mma(dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                                           Float32, (1, 1, 1), (64, 32))
+    pv = sm90_utils.make_trivial_tiled_mma(dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+                                           Float32, (1, 1, 1), (64, HALF_V))
+    return qk, pv
 
 
 @cute.jit
