@@ -4,10 +4,12 @@ The primary backend runs everything no decode peer takes: `cutedsl_mla` where it
 CuTe DSL installed, page 64), else `triton` on a GPU, `torch` on the CPU (where Triton would only run
 through its interpreter). Decode peers take the DECODE steps where they measured faster than that
 primary (DECODE_RULES). Measured on the H200, CUDA-graph timing, page 64
-(bench/results/h200-20261130-a395c1d-cutedsl.json, h200-20261130-0081d29e95a6.json):
-- against `cutedsl_mla`, FlashInfer's fa3 MLA wins only at 128 query rows per request in small batches
-  (b 1/4/16 at s_k 32768: 1.03/1.20/1.08x); elsewhere the CuTe DSL kernel is level or faster (h16-h64
-  1.01-1.13x, h128 b128 0.95-1.07x), and FlashInfer cannot read the FP8 cache, so those stay;
+(bench/results/h200-20261130-a395c1d-cutedsl.json, h200-20261130-9018ee4-cutedsl-fp8.json,
+h200-20261130-0081d29e95a6.json):
+- against `cutedsl_mla`, FlashInfer's fa3 MLA wins at 128 query rows per request in small batches
+  (b 1/4/16 at s_k 32768: 1.03-1.04/1.14-1.20/1.08-1.09x over the two runs); elsewhere the CuTe DSL kernel
+  is level or faster at h16-h64 (1.00-1.14x), and at h128 b128 the two trade places from run to run
+  (0.95-1.07x in one, 0.87-1.02x in the other), so those stay; FlashInfer cannot read the FP8 cache;
 - against `triton`, FlashInfer and the CuTe DSL kernel win from 32 rows on (Triton at 0.5-0.75x).
 Peers have no DSA kernels or FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
