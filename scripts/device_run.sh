@@ -5,6 +5,9 @@
 #   run(command="bash scripts/device_run.sh", carry=[".peers"], timeout_s=600)
 # Tuning sweeps instead of tests + benchmark (the kernel engineers' scripts/tune_*.py):
 #   run(command="PHASES=env,install,tune bash scripts/device_run.sh", carry=[".peers"], timeout_s=600)
+# Tensor parallelism over NCCL (tests/gpu/test_tp_gpu.py skips below 2 GPUs), on the 2-GPU kind:
+#   run(command="PHASES=env,install,pytest PYTEST_ARGS=tests/gpu/test_tp_gpu.py bash scripts/device_run.sh",
+#       kind="nvidia-h200-x2", carry=[".peers"])
 # Only some suites or backends, e.g.:
 #   run(command="BENCH_SUITES=dense BENCH_BACKENDS=triton,flashinfer bash scripts/device_run.sh", carry=[".peers"])
 #
