@@ -64,12 +64,9 @@ D_QK = 576
 D_V = 512
 D_PE = D_QK - D_V
 HALF_N = TILE_N // 2
-HALF_V = D_V // 2
 RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit words (528 B)
 ROW_WORDS = 164       # 656 B
-SCALE_WORD = 128      # the scales start at byte 512
 RAW_CHUNKS = RAW_WORDS // 4   # 33 16-byte chunks
-PE_CHUNKS = D_PE // 8         # 8 16-byte chunks of k_pe, from word 132
 RAW_STAGES = 2
 LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
