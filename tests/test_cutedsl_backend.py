@@ -89,6 +89,13 @@ def test_supported_shapes_on_the_cpu_say_it_needs_cuda():
         cd.mla_decode(q, kv, bt, lens, 0.1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks about CUDA on a machine without it")
+def test_kernel_backends_refuse_cuda_where_torch_has_none():
+    # a reason, not torch's "not compiled with CUDA" assertion from the capability query
+    assert "torch sees no CUDA GPU" in BACKENDS["cutedsl"].unavailable_reason(torch.device("cuda"))
+    assert "torch sees none" in BACKENDS["triton"].unavailable_reason(torch.device("cuda"))
+
+
 def test_kernel_backend_refuses_the_cpu_naming_package_and_gpu():
     reason = BACKENDS["cutedsl"].unavailable_reason(CPU)
     assert "nvidia-cutlass-dsl" in reason and "Hopper" in reason and "9.x" in reason

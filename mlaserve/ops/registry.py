@@ -33,6 +33,8 @@ def _triton_reason(device: torch.device) -> str | None:
     except ImportError:
         return "the `triton` package is not installed (pip install triton)"
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "needs a CUDA GPU, and torch sees none here"
         major, _ = torch.cuda.get_device_capability(device)
         return None if major >= 8 else f"needs an NVIDIA GPU of compute capability >= 8.0, found {major}.x"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
@@ -45,6 +47,8 @@ def _cutedsl_reason(device: torch.device) -> str | None:
     # the device first: importing the DSL takes seconds, and a CPU caller needs no import to be told no
     if device.type != "cuda":
         return f"runs on CUDA tensors on {need}; got a {device.type} tensor"
+    if not torch.cuda.is_available():
+        return f"needs {need}; torch sees no CUDA GPU here"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"needs {need}; found a GPU of compute capability {major}.{minor}"

@@ -13,15 +13,11 @@ import pytest
 import torch
 
 from mlaserve.kernels import reference
+from mlaserve.ops.registry import BACKENDS
 
 
-def _hopper_with_dsl() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
-    return importlib.util.find_spec("cutlass") is not None
-
-
-pytestmark = pytest.mark.skipif(not _hopper_with_dsl(), reason="needs a Hopper GPU and nvidia-cutlass-dsl")
+_UNAVAILABLE = BACKENDS["cutedsl"].unavailable_reason(torch.device("cuda"))
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"cutedsl: {_UNAVAILABLE}")
 
 _spec = importlib.util.spec_from_file_location(
     "cutedsl_check", Path(__file__).resolve().parents[2] / "scripts" / "cutedsl_check.py")
@@ -48,21 +44,27 @@ def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, 1, h, torch.bfloat16, seed=b)
     plan = cd.plan_mla_decode(b, 1, h, 512, table.shape[1], 64, False, q.device, num_splits=num_splits)
+    _replay_equals_eager_and_reference(
+        q, kv, table, seqlens, plan,
+        lambda: reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE))
+
+
+def _replay_equals_eager_and_reference(q, kv, table, seqlens, plan, reference_fn):
+    """Capture one call, then give it new queries and shorter lengths in the same buffers: the replay must
+    follow them (the slots the shorter lengths give up hold real values now, so only the mask keeps them
+    out), equal an eager call bit for bit and pass the reference check."""
     cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)        # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
-    # new queries and shorter lengths in the same buffers: the replay must follow them (the slots the
-    # shorter lengths give up hold real values now, so only the mask keeps them out)
     q.copy_(torch.randn_like(q))
     seqlens.copy_((seqlens - 37).clamp_min(1))
     graph.replay()
     torch.cuda.synchronize()
     e_out, e_lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
     assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
-    ref_out, ref_lse = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
-    ok, max_err, why = check.compare(g_out, g_lse, ref_out, ref_lse)
+    ok, max_err, why = check.compare(g_out, g_lse, *reference_fn())
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
@@ -85,16 +87,5 @@ def test_fp8_cuda_graph_replay_equals_eager():
     lens = [1 + (977 * i) % 3000 for i in range(b)]
     q, kv, table, seqlens = check.make_fp8_case(lens, 2, h, seed=b)
     plan = cd.plan_mla_decode(b, 2, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
-    cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)        # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
-    q.copy_(torch.randn_like(q))
-    seqlens.copy_((seqlens - 37).clamp_min(1))
-    graph.replay()
-    torch.cuda.synchronize()
-    e_out, e_lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
-    assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
-    ok, max_err, why = check.compare(g_out, g_lse, *check.fp8_reference(q, kv, table, seqlens))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    _replay_equals_eager_and_reference(q, kv, table, seqlens, plan,
+                                       lambda: check.fp8_reference(q, kv, table, seqlens))

@@ -15,15 +15,11 @@ import pytest
 import torch
 
 from mlaserve import ops
+from mlaserve.ops.registry import BACKENDS
 
 
-def _hopper_with_dsl() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
-    return importlib.util.find_spec("cutlass") is not None
-
-
-pytestmark = pytest.mark.skipif(not _hopper_with_dsl(), reason="needs a Hopper GPU and nvidia-cutlass-dsl")
+_UNAVAILABLE = BACKENDS["cutedsl"].unavailable_reason(torch.device("cuda"))
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"cutedsl: {_UNAVAILABLE}")
 
 _spec = importlib.util.spec_from_file_location(
     "cutedsl_sparse_check", Path(__file__).resolve().parents[2] / "scripts" / "cutedsl_sparse_check.py")
