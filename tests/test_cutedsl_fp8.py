@@ -1,7 +1,7 @@
 """The CuTe DSL FP8-KV MLA decode's host side and its dequantization arithmetic, on the CPU.
 
-The kernel (mlaserve/kernels/cutedsl/mla_decode_fp8_kernel.py) turns 4 e4m3 bytes into two bf16x2 words
-with prmt (selectors 0x9180 / 0xB3A2, sign-replicating), << 4, & 0x87F0 per half, and multiplies by the
+The FP8 kernels (mlaserve/kernels/cutedsl/fp8_dequant.py) turn 4 e4m3 bytes into two bf16x2 words
+with prmt (selectors 0x9180 / 0xB3A2, sign-replicating), << 4, & 0x87F0 per half, and multiply by the
 tile's scale * 2^120 formed as (fp32 scale bits + 120 << 23), upper half (prmt 0x3232). Here the same
 bit operations run in torch on every byte and on real quantized tiles, against the format's definition
 (fp8_format.dequantize). The kernel itself runs in tests/gpu/test_cutedsl_mla.py. CI does not install

@@ -22,7 +22,7 @@ Warp roles (384 threads):
   words by prmt with sign replication, a shift and a mask. Rows past the request's end are written as
   zeros (multiplier 0: the bit trick never makes NaN/inf from any byte, even 0xFF poison). The tile is
   converted in 8 blocks of 64 columns, each released to the consumers on its own mbarrier, and the
-  loads of block b + 1 are issued before block b is converted (_dequant_tile).
+  loads of block b + 1 are issued before block b is converted (fp8_dequant.dequant_tile).
 - WG 1 and WG 2, the consumers (setmaxnreg 224): S_w = Q K_w^T over keys 32w..32w+32 (k_pe straight from
   the raw stage first, then c_kv from the bf16 tile block by block as the loader releases the blocks),
   P_w to smem, O_w += P V_w over columns 256w..256w+256.
@@ -51,11 +51,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas)
 
@@ -69,14 +68,11 @@ HALF_V = D_V // 2
 RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit words (528 B)
 ROW_WORDS = 164       # 656 B
 ROPE_ELEMS = 328      # a row in bf16 elements; k_pe starts at element 264 (byte 528)
-SCALE_WORD = 128      # the scales start at byte 512
 RAW_STAGES = 2
 LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 65536
 THREADS = 3 * 128
 LOADER_THREADS = 128
-EXP_120 = 120 << 23   # adds 120 to an fp32 exponent: scale * 2^120
-KV_BLOCKS = D_V // 64  # the bf16 tile's 64-column blocks (one swizzle atom wide; 4 QK k-steps each)
 
 
 class MLADecodeFP8Sm90:
@@ -230,7 +226,7 @@ class MLADecodeFP8Sm90:
                 valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
                 raw_pipe.consumer_wait(raw_c)
                 cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
-                _dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full, valid)
+                dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full, valid)
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(raw_c)
                 raw_c.advance()
@@ -355,44 +351,6 @@ def _load_page(raw_pipe, state, tma_raw: cute.CopyAtom, tRg: cute.Tensor, tRs: c
 
 
 @cute.jit
-def _dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.Pointer, valid: Int32):
-    """The loader warpgroup's conversion of one tile: raw stage (shared address `stage_base`, rows of 528 B:
-    e4m3 bytes then 4 fp32 scales) -> the bf16 c_kv tile (shared address `kv_base`, [64, 512] in 64-column
-    blocks of 8 KB, 128-byte swizzle), one column block at a time, arriving on kv_full[block] after each so
-    that the consumers' QK starts on the first blocks while the later ones are converted.
-
-    Thread p converts the 8 columns p % 8 of each block in rows p // 8 + 16 i (i < 4): one 8-byte load and
-    one 16-byte store each; rows >= `valid` become zeros (multiplier 0). The loader has one warp per SM
-    sub-partition, so nothing else hides its shared-memory latency: the loads of block b + 1 are issued
-    before block b is converted and stored (the asm blocks keep their source order).
-    """
-    prow = tidx // 8
-    pc = tidx % 8
-    swz = (pc ^ (prow % 8)) * 16          # rows prow + 16 i share row % 8
-    rows = TILE_N // 16
-    keep = [_all_ones_if_lt(prow + 16 * i, valid) for i in range(rows)]
-    row_base = [stage_base + (prow + 16 * i) * (RAW_WORDS * 4) for i in range(rows)]
-    # scale j covers columns 128 j .. 128 j + 127: blocks 2 j and 2 j + 1
-    raw = [_ld_shared_b64(row_base[i] + pc * 8) for i in range(rows)]
-    scale = [_ld_shared_b32(row_base[i] + SCALE_WORD * 4) for i in range(rows)]
-    for cb in cutlass.range_constexpr(KV_BLOCKS):
-        nxt_raw = raw
-        nxt_scale = scale
-        if const_expr(cb + 1 < KV_BLOCKS):
-            nxt_raw = [_ld_shared_b64(row_base[i] + (cb + 1) * 64 + pc * 8) for i in range(rows)]
-            if const_expr((cb + 1) % 2 == 0):
-                nxt_scale = [_ld_shared_b32(row_base[i] + (SCALE_WORD + (cb + 1) // 2) * 4) for i in range(rows)]
-        for i in cutlass.range_constexpr(rows):
-            mult = _bf16x2_hi(scale[i] + EXP_120) & keep[i]
-            _convert8_store(raw[i], kv_base + cb * (TILE_N * 128) + (prow + 16 * i) * 128 + swz, mult)
-        # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full[cb]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.mbarrier_arrive(kv_full + cb)
-        raw = nxt_raw
-        scale = nxt_scale
-
-
-@cute.jit
 def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
              tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, kv_full: cute.Pointer, phase: Int32):
     """acc = Q_pe Kpe^T + Q_nope K^T as one wgmma group, waited for (the raw stage is released next).
@@ -425,74 +383,3 @@ def _pv_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tOrP: cute.Tensor, tOrV
         cute.gemm(atom, acc, tOrP[None, None, k], tOrV[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
-
-
-@dsl_user_op
-def _ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
-    """The 32-bit word at shared address `addr`."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];", "=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _bf16x2_hi(bits: Int32, *, loc=None, ip=None) -> Int32:
-    """Both halves = the upper 16 bits of `bits` (an fp32 whose value is a bf16 value: that bf16, twice)."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(bits).ir_value(loc=loc, ip=ip)], "prmt.b32 $0, $1, 0, 0x3232;", "=r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _ld_shared_b64(addr: Int32, *, loc=None, ip=None) -> Int64:
-    """The 8 bytes at shared address `addr` (8-byte aligned)."""
-    return Int64(llvm.inline_asm(
-        Int64.mlir_type, [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.b64 $0, [$1];", "=l,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _all_ones_if_lt(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
-    """0xFFFFFFFF where a < b, else 0."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .pred p;\nsetp.lt.s32 p, $1, $2;\nselp.b32 $0, -1, 0, p;\n}\n", "=r,r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _convert8_store(raw: Int64, dst: Int32, mult: Int32, *, loc=None, ip=None) -> None:
-    """8 e4m3 bytes (`raw`) -> 8 bf16 (e4m3 * scale, RNE) as one 16-byte store at shared `dst`.
-
-    prmt with selector 0x9180 (0xB3A2) puts bytes 0, 1 (2, 3) into the two 16-bit halves sign-extended;
-    << 4 and the mask 0x87F0 per half leave the sign at bit 15 and exponent + mantissa at bits 4..10: the
-    bf16 of x * 2^-120. `mult` is bf16x2 (scale * 2^120, twice); the fma adds -0.0, which changes nothing.
-    """
-    llvm.inline_asm(
-        None,
-        [Int64(raw).ir_value(loc=loc, ip=ip), Int32(dst).ir_value(loc=loc, ip=ip),
-         Int32(mult).ir_value(loc=loc, ip=ip)],
-        "{\n"
-        ".reg .b32 w0, w1, y0, y1, y2, y3, nz;\n"
-        "mov.b64 {w0, w1}, $0;\n"
-        "mov.b32 nz, 0x80008000;\n"
-        "prmt.b32 y0, w0, 0, 0x9180;\n"
-        "prmt.b32 y1, w0, 0, 0xB3A2;\n"
-        "prmt.b32 y2, w1, 0, 0x9180;\n"
-        "prmt.b32 y3, w1, 0, 0xB3A2;\n"
-        "shl.b32 y0, y0, 4;\n"
-        "shl.b32 y1, y1, 4;\n"
-        "shl.b32 y2, y2, 4;\n"
-        "shl.b32 y3, y3, 4;\n"
-        "and.b32 y0, y0, 0x87F087F0;\n"
-        "and.b32 y1, y1, 0x87F087F0;\n"
-        "and.b32 y2, y2, 0x87F087F0;\n"
-        "and.b32 y3, y3, 0x87F087F0;\n"
-        "fma.rn.bf16x2 y0, y0, $2, nz;\n"
-        "fma.rn.bf16x2 y1, y1, $2, nz;\n"
-        "fma.rn.bf16x2 y2, y2, $2, nz;\n"
-        "fma.rn.bf16x2 y3, y3, $2, nz;\n"
-        "st.shared.v4.b32 [$1], {y0, y1, y2, y3};\n"
-        "}\n",
-        "l,r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

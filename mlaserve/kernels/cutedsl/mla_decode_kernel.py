@@ -36,7 +36,6 @@ smallest visible length are masked, and the cache rows past the request's end in
 zeroed in smem before P V (a masked P of 0 times a NaN left in an unused slot would still be NaN).
 """
 
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -45,6 +44,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from mlaserve.kernels.cutedsl.split_consumers import finish_rows
 
 TILE_M = 64          # query rows per CTA: one wgmma M
 TILE_N = 64          # cached tokens per stage: one page
@@ -334,21 +335,9 @@ class MLADecodeSm90:
                                     tiled_mma_pv, tOrPs, tOrV)
 
             # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
-            for hr in cutlass.range_constexpr(2):
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
-                row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
-                if ctid % 4 == 0:
-                    sSum[r0 + 8 * hr, cw] = row_l[hr]
-            cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=CONSUMER_THREADS)
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
-            for hr in cutlass.range_constexpr(2):
-                total = sSum[r0 + 8 * hr, 0] + sSum[r0 + 8 * hr, 1]
-                inv_l[hr] = 0.0
-                lse[hr] = -Float32.inf
-                if total > 0.0:
-                    inv_l[hr] = 1.0 / total
-                    lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse, barrier_id=BAR_SUM)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] * inv_l[(i // 2) % 2]
             # this consumer's [64, 256] block of the output; a thread's values come in pairs of adjacent

@@ -19,7 +19,7 @@ Warp roles (384 threads):
   index is -1, or past the split's end, is zero-filled by the copy (src-size 0): its e4m3 bytes and scales
   are 0, so it dequantizes to 0, and 0 * P keeps poison in an unused slot out of O. Each thread ends a stage
   with cp.async.mbarrier.arrive.noinc on the stage's full barrier (128 arrivals). Then the same threads
-  wait for the stage and dequantize it into the one bf16 c_kv tile (the dense FP8 kernel's _dequant_tile:
+  wait for the stage and dequantize it into the one bf16 c_kv tile (fp8_dequant.dequant_tile:
   the bit trick, 8 column blocks each released on its own mbarrier), and gather the tile two ahead into
   the freed stage.
 - WG 1 and WG 2, the consumers (setmaxnreg 224): S_w = Q K_w^T over keys 32w..32w+32 (k_pe from the raw
@@ -52,8 +52,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
-    KV_BLOCKS, _consumer_operands, _dequant_tile, _pv_gemm, _qk_gemm)
+from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _pv_gemm, _qk_gemm
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias, split_tiled_mmas,
     store_sparse)
@@ -204,7 +204,7 @@ class SparseMLAFP8Sm90:
                 raw_pipe.consumer_wait(raw_c)
                 cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
                 # every row converts: a zero-filled one (index -1 or past the end) has bytes and scale 0 -> 0
-                _dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full,
+                dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full,
                               Int32(TILE_N))
                 cute.arch.sync_warp()
                 if cute.arch.lane_idx() == 0:

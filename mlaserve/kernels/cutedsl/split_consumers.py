@@ -106,16 +106,18 @@ def scale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
 
 @cute.jit
 def finish_rows(row_m: cute.Tensor, row_l: cute.Tensor, s_sum: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32,
-                inv_l: cute.Tensor, lse: cute.Tensor):
+                inv_l: cute.Tensor, lse: cute.Tensor, barrier_id: cutlass.Constexpr[int] = BAR_MAX):
     """After the last tile: the rows' whole sums (quad shuffles, then both consumers through s_sum [64, 2]
-    and BAR_MAX) -> inv_l = 1 / sum and lse = natural-log logsumexp (0 and -inf for a row with no key).
-    s_sum may be the maxima's buffer: the other consumer read this one's maxima before the last BAR_P."""
+    and named barrier `barrier_id`) -> inv_l = 1 / sum and lse = natural-log logsumexp (0 and -inf for a row
+    with no key). Both consumers' row_l must be at the same final max row_m. s_sum may be the maxima's
+    buffer: the other consumer read this one's maxima before the last BAR_P. (The seesaw kernels pass their
+    own barrier: their ids 1 and 2 are the per-consumer "P ready" barriers.)"""
     for hr in cutlass.range_constexpr(2):
         row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
         row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
         if ctid % 4 == 0:
             s_sum[r0 + 8 * hr, cw] = row_l[hr]
-    cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=CONSUMER_THREADS)
     for hr in cutlass.range_constexpr(2):
         total = s_sum[r0 + 8 * hr, 0] + s_sum[r0 + 8 * hr, 1]
         inv_l[hr] = 0.0
