@@ -8,6 +8,8 @@
                                                # timings (--fp8 --quick, --fp8 --compile as above)
     python scripts/cutedsl_check.py --splits   # small batches (b 1/4/16, s_k 32768): time every KV split
                                                # count around the planner's (CUDA-graph replay), best last
+    python scripts/cutedsl_check.py --clusters # shapes of several 64-row tiles: time each cluster size
+                                               # (CTAs sharing every page's load by TMA multicast)
 
 Prints one PASS/FAIL line per shape with the max abs error against mlaserve.kernels.reference.mla_decode
 (FlashMLA's tolerances: each element within 1e-3 abs or 2/128 rel, cosine distance <= 1e-5, lse within
@@ -140,6 +142,36 @@ def sweep_splits() -> None:
                   + f"  | planner {chosen} {times[chosen]:.1f} us, best {best} {times[best]:.1f} us", flush=True)
 
 
+def sweep_clusters() -> None:
+    """The multi-row-tile shapes with every cluster size that divides their row tiles (forced in place of
+    mla_decode.cluster_size), each first checked against the reference, then timed by CUDA-graph replay."""
+    import triton.testing
+    chosen_size = cd.cluster_size
+    try:
+        for s_q, h, b, s_k in [(s_q, h, 128, s_k) for s_q, h in ((1, 128), (2, 128), (2, 64))
+                               for s_k in (4096, 8192, 16384, 32768)] + [(1, 128, 4, 32768), (1, 128, 16, 32768)]:
+            q, kv, table, seqlens = make_case([s_k] * b, s_q, h, torch.bfloat16, 0)
+            tiles = math.ceil(s_q * h / 64)
+            flops = 2 * b * s_q * h * s_k * (576 + 512)
+            line = f"clusters b{b} s_q{s_q} h{h} s_k{s_k} (planner {chosen_size(s_q * h, False)}):"
+            for c in (1, 2, 4):
+                if tiles % c:
+                    continue
+                cd.cluster_size = lambda rows, kv_fp8, c=c: c
+                plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, False, q.device)
+                ok = True
+                if s_k == 4096 and b == 128:
+                    out, lse = cd.mla_decode(q, kv, table, seqlens, SCALE, plan=plan)
+                    ref = reference.mla_decode(q[:8].double(), kv.double(), table[:8], seqlens[:8], SCALE)
+                    ok, _, _ = compare(out[:8], lse[:8], *ref)
+                ms = triton.testing.do_bench_cudagraph(
+                    lambda: cd.mla_decode(q, kv, table, seqlens, SCALE, plan=plan), rep=100)
+                line += f"  c{c}{'' if ok else ' FAIL'} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TF"
+            print(line, flush=True)
+    finally:
+        cd.cluster_size = chosen_size
+
+
 # -- FP8 KV (uint8 [pages, 64, 656]): the kernel in mla_decode_fp8_kernel.py --
 
 def make_fp8_case(lens, s_q, h, seed):
@@ -211,7 +243,7 @@ def compile_fp8() -> None:
         for split in (False, True):
             cd._kernel(torch.bfloat16, causal, split, kv_fp8=True)
     print("compiled fp8", {f"causal={k[1]} split={k[2]}": f"{v:.1f}s"
-                           for k, v in cd.compile_seconds.items() if k[3:] == ("fp8",)})
+                           for k, v in cd.compile_seconds.items() if k[3] == "fp8"})
 
 
 def main_fp8(args) -> int:
@@ -233,9 +265,13 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--splits", action="store_true")
+    ap.add_argument("--clusters", action="store_true")
     args = ap.parse_args()
     if args.splits:
         sweep_splits()
+        return 0
+    if args.clusters:
+        sweep_clusters()
         return 0
     if args.fp8:
         return main_fp8(args)
@@ -243,8 +279,9 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float16):
             for causal in (True, False):
                 for split in (False, True):
-                    cd._kernel(dtype, causal, split)
-        print("compiled", {f"{str(k[0])[6:]} causal={k[1]} split={k[2]}": f"{v:.1f}s"
+                    for cluster in (1, 2, 4):
+                        cd._kernel(dtype, causal, split, cluster=cluster)
+        print("compiled", {f"{str(k[0])[6:]} causal={k[1]} split={k[2]} cluster={k[4]}": f"{v:.1f}s"
                            for k, v in cd.compile_seconds.items()})
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)

@@ -39,6 +39,17 @@ def test_split_count_fills_one_wave(b, s_q, h, max_pages, want):
     assert cd.choose_num_splits(b, s_q, h, max_pages, 64, CPU) == want
 
 
+@pytest.mark.parametrize("rows, kv_fp8, want", [
+    (16, False, 1), (64, False, 1),      # one 64-row tile: nothing to share a page's load with
+    (128, False, 2), (384, False, 2),    # h 128 s_q 1; s_q 3 (6 tiles: pairs)
+    (256, False, 2), (512, False, 2),    # h 128 s_q 2 and 4: pairs too (clusters of 4 measured slower)
+    (192, False, 1),                     # 3 tiles: no even grouping
+    (256, True, 1),                      # FP8: its loader gathers with cp.async, no multicast
+])
+def test_cluster_size_groups_the_row_tiles_of_a_request(rows, kv_fp8, want):
+    assert cd.cluster_size(rows, kv_fp8) == want
+
+
 def test_plan_splits_small_batches_and_sizes_the_workspace():
     plan = cd.plan_mla_decode(2, 1, 16, 512, 64, 64, False, CPU)
     want = cd.choose_num_splits(2, 1, 16, 64, 64, CPU)

@@ -39,6 +39,20 @@ def test_matches_reference(case):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("cluster", [1, 2, 4])
+def test_every_cluster_size_matches_reference(monkeypatch, cluster, num_splits):
+    """Row tiles sharing each page's load by TMA multicast (cluster_size forced): the same result as one CTA
+    loading the whole page, over short, page-edge and ragged lengths (NaN beyond each request's end)."""
+    lens = [1, 64, 65, 3000, 4096, 200]
+    q, kv, table, seqlens = check.make_case(lens, 2, 128, torch.bfloat16, seed=cluster)
+    monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"cluster {cluster}, {num_splits} splits: max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1)])
 def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]

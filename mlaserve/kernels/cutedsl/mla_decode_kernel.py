@@ -90,10 +90,11 @@ def _kv_state(t: Int32) -> pipeline.PipelineState:
 class MLADecodeSm90:
     """Compiled per (dtype, causal, split). Launched by mla_decode.py through `__call__` (a cute.jit host function)."""
 
-    def __init__(self, dtype, causal: bool, is_split: bool):
+    def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
+        self.cluster = cluster        # 1, 2 or 4 CTAs (row tiles of one request and split) share each page's load
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -127,8 +128,17 @@ class MLADecodeSm90:
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (TILE_M, D_QK))
-        tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
-            tma_op, mKV, cute.slice_(sKV_layout, (None, None, 0)), (TILE_N, D_QK))
+        if const_expr(self.cluster == 1):
+            tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
+                tma_op, mKV, cute.slice_(sKV_layout, (None, None, 0)), (TILE_N, D_QK))
+        else:
+            # each CTA of a cluster loads its share of the page's rows, [64 / cluster, 576], into every CTA's
+            # smem; a share sits in a stage like rows 0.. of the [64, 576] layout (nine pieces, one per 64
+            # columns, each a whole number of the 128-byte swizzle's 1 KB periods)
+            part = cute.composition(cute.slice_(sKV_layout, (None, None, 0)),
+                                    cute.make_layout((TILE_N // self.cluster, D_QK), stride=(1, TILE_N)))
+            tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mKV, part, (TILE_N // self.cluster, D_QK))
 
         # S: one warpgroup, M 64 x N 64 (the whole tile); O: one warpgroup, M 64 x N 256 (its half of V),
         # with P from smem (the other consumer's tile) or from registers (its own)
@@ -157,7 +167,8 @@ class MLADecodeSm90:
         self.kernel(tma_q, mQ_tma, tma_kv, mKV_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
                     s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sP_layout,
                     tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs).launch(
-            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+            grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream)
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor,
@@ -177,12 +188,14 @@ class MLADecodeSm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp): both
-        # consumers read every tile's V
+        # consumers read every tile's V. In a cluster, lane r of each warp arrives on CTA r's barrier: a
+        # stage is free once every CTA's consumers are done with it, since every CTA's load writes into all.
         kv_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.kv_mbar.data_ptr(), num_stages=NUM_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=TILE_N * D_QK * self.dtype.width // 8)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster * CONSUMER_THREADS // 32),
+            tx_count=TILE_N * D_QK * self.dtype.width // 8,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)))
         q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -208,8 +221,14 @@ class MLADecodeSm90:
                 gQ = cute.local_tile(mQ_tma[None, None, batch], (TILE_M, D_QK), (m_block, 0))
                 tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                  cute.group_modes(gQ, 0, 2))
-                gKV = cute.local_tile(mKV_tma, (TILE_N, D_QK), (None, 0))      # [64, 576, pages]
-                tKVs, tKVg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sKV, 0, 2),
+                rank = 0
+                sKV_load = sKV
+                if const_expr(self.cluster > 1):
+                    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                    sKV_load = cute.local_tile(sKV, (TILE_N // self.cluster, D_QK, NUM_STAGES), (rank, 0, 0))
+                # [64 / c, 576, c * pages] for clusters of c CTAs: CTA r loads tile c * p + r of page p
+                gKV = cute.local_tile(mKV_tma, (TILE_N // self.cluster, D_QK), (None, 0))
+                tKVs, tKVg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sKV_load, 0, 2),
                                                    cute.group_modes(gKV, 0, 2))
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 q_pipe.producer_acquire(q_state)
@@ -219,9 +238,18 @@ class MLADecodeSm90:
                 for t in cutlass.range(n_tiles, unroll=1):
                     page = mBT[batch, first_page + t]
                     kv_pipe.producer_acquire(kv_state)
-                    cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
-                              tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+                    if const_expr(self.cluster == 1):
+                        cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
+                                  tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+                    else:
+                        cute.copy(tma_kv, tKVg[None, self.cluster * page + rank], tKVs[None, kv_state.index],
+                                  tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
+                                  mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
                     kv_state.advance()
+                if const_expr(self.cluster > 1):
+                    # the other CTAs' consumers arrive on this CTA's barriers: wait for their last arrivals
+                    # before exiting (an arrival on the smem of an exited CTA is undefined)
+                    kv_pipe.producer_tail(kv_state)
         else:
             # ---------------- consumers ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
