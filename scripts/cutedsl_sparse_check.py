@@ -3,8 +3,10 @@
     python scripts/cutedsl_sparse_check.py            # correctness shapes, then timings
     python scripts/cutedsl_sparse_check.py --quick    # a few shapes, no timings
     python scripts/cutedsl_sparse_check.py --bench    # timings only
-    python scripts/cutedsl_sparse_check.py --compile  # compile every specialization only (works without a
-                                                      # GPU with CUTE_DSL_ARCH=sm_90a), print compile seconds
+    python scripts/cutedsl_sparse_check.py --compile  # compile every specialization only, the bf16/fp16 ones
+                                                      # as both the seesaw and the first-slice kernel (works
+                                                      # without a GPU with CUTE_DSL_ARCH=sm_90a), print
+                                                      # compile seconds
     python scripts/cutedsl_sparse_check.py --fp8      # only the FP8-cache shapes, then the FP8 timings
 
 Prints one PASS/FAIL line per shape with the max abs error against mlaserve.kernels.reference.sparse_mla in
@@ -159,11 +161,19 @@ def bench(fp8_only: bool = False) -> None:
         flops = 2 * b * s_q * h * topk * (576 + 512)
         plan = sp.plan_splits(b * s_q, h, topk, torch.cuda.get_device_properties(0).multi_processor_count)
         line = f"{kind} {cache} b{b} s_q{s_q} h{h} topk{topk} s_kv{s_kv} splits={plan.num_splits}:"
-        for backend in ("cutedsl", "triton"):
-            fn = (lambda: sp.sparse_mla(q, kv, idx, SCALE)) if backend == "cutedsl" else \
+        for backend in ("cutedsl", "first-slice", "triton"):
+            if backend == "first-slice" and cache == "fp8":
+                continue
+            fn = (lambda: sp.sparse_mla(q, kv, idx, SCALE)) if backend != "triton" else \
                 (lambda: ops.sparse_mla(q, kv, idx, SCALE, backend="triton"))
-            fn()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200)
+            seesaw_kernel = sp._kernel
+            if backend == "first-slice":     # the kernel before the seesaw consumers, for comparison
+                sp._kernel = lambda dtype, split, fp8=False: seesaw_kernel(dtype, split, fp8, seesaw=False)
+            try:
+                fn()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=200)
+            finally:
+                sp._kernel = seesaw_kernel
             line += f"  {backend} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s"
         print(line, flush=True)
 
@@ -171,7 +181,8 @@ def bench(fp8_only: bool = False) -> None:
 def compile_all() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         for split in (False, True):
-            sp._kernel(dtype, split)
+            for seesaw in (True, False):
+                sp._kernel(dtype, split, seesaw=seesaw)
     for split in (False, True):
         sp._kernel(torch.bfloat16, split, fp8=True)
     for key, sec in sp.compile_seconds.items():

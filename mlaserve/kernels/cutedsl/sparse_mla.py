@@ -1,8 +1,12 @@
 """Sparse MLA (DSA) for Hopper in CuTe DSL: host side (checks, split planning, compile cache, launch).
 
 The kernels give each CTA 64 heads of one query token and one split of that token's top-k:
-- sparse_mla_kernel.py (bf16/fp16 caches): a cp.async producer warpgroup gathers the selected cache rows into
-  a swizzled smem ring and two consumer warpgroups split every tile's QK and PV in halves;
+- sparse_mla_kernel.py (bf16/fp16 caches, the "first slice"): a cp.async producer warpgroup gathers the
+  selected cache rows into a swizzled smem ring and two consumer warpgroups split every tile's QK and PV in
+  halves;
+- sparse_mla_seesaw_kernel.py (bf16/fp16 caches, used by default; `_kernel(..., seesaw=False)` picks the
+  first slice): the same gather with the dense decode kernel's seesaw consumers (each consumer owns every
+  other tile's whole S and softmax, both add its P V). Not yet run on a GPU;
 - sparse_mla_fp8_kernel.py (the FP8 656-byte cache): a loader warpgroup gathers the rows' raw bytes the same
   way and dequantizes them into a bf16 tile for the same consumers.
 Their docstrings have the designs. Splits are merged by the Triton sparse kernel's `_combine_splits_kernel`,
@@ -35,7 +39,8 @@ FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
-# seconds spent compiling each specialization, by compile key (dtype, split, fp8 cache)
+# seconds spent compiling each specialization, by compile key (dtype, split, fp8 cache), with "first-slice"
+# appended for the bf16/fp16 first-slice kernel (seesaw=False)
 compile_seconds: dict[tuple, float] = {}
 _compiled: dict[tuple, object] = {}
 
@@ -99,9 +104,10 @@ def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | 
     return plan
 
 
-def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False):
-    """The compiled kernel for one specialization (compiled on first use, then cached)."""
-    key = (dtype, split, fp8)
+def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = True):
+    """The compiled kernel for one specialization (compiled on first use, then cached). `seesaw` picks the
+    bf16/fp16 kernel (the FP8 cache has one kernel and ignores it)."""
+    key = (dtype, split, fp8) if seesaw or fp8 else (dtype, split, fp8, "first-slice")
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -112,6 +118,9 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False):
         if fp8:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_fp8_kernel").SparseMLAFP8Sm90(
                 is_split=split)
+        elif seesaw:
+            kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
+                cute_dtype(dtype), is_split=split)
         else:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel").SparseMLASm90(
                 cute_dtype(dtype), is_split=split)
