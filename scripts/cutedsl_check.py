@@ -76,6 +76,7 @@ def cases(quick: bool):
     yield dict(lens=[5, 300, 64, 1], s_q=2, h=64, dtype=torch.float16, causal=True)
     yield dict(lens=[5, 300, 64, 1], s_q=2, h=16, dtype=torch.bfloat16, causal=False)
     yield dict(lens=[4096, 1, 700, 2], s_q=1, h=128, dtype=torch.bfloat16, causal=True, num_splits=7)
+    yield dict(lens=[3000, 17, 64, 2000], s_q=1, h=32, dtype=torch.bfloat16, causal=True, num_splits=4)
     yield dict(lens=[0, 1, 2], s_q=2, h=16, dtype=torch.bfloat16, causal=True, num_splits=3)
 
 
@@ -241,9 +242,10 @@ def bench_fp8() -> None:
 def compile_fp8() -> None:
     for causal in (True, False):
         for split in (False, True):
-            cd._kernel(torch.bfloat16, causal, split, kv_fp8=True)
-    print("compiled fp8", {f"causal={k[1]} split={k[2]}": f"{v:.1f}s"
-                           for k, v in cd.compile_seconds.items() if k[3] == "fp8"})
+            for narrow in (0, 16, 32):
+                cd._kernel(torch.bfloat16, causal, split, kv_fp8=True, narrow=narrow)
+    print("compiled fp8", {f"{k[3]} causal={k[1]} split={k[2]}": f"{v:.1f}s"
+                           for k, v in cd.compile_seconds.items() if k[3].startswith("fp8")})
 
 
 def main_fp8(args) -> int:

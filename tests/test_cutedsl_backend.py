@@ -50,6 +50,11 @@ def test_cluster_size_groups_the_row_tiles_of_a_request(rows, kv_fp8, want):
     assert cd.cluster_size(rows, kv_fp8) == want
 
 
+@pytest.mark.parametrize("rows, want", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 0), (128, 0)])
+def test_fp8_requests_of_few_rows_take_the_keys_on_m_kernel(rows, want):
+    assert cd.fp8_narrow_cols(rows) == want
+
+
 def test_plan_splits_small_batches_and_sizes_the_workspace():
     plan = cd.plan_mla_decode(2, 1, 16, 512, 64, 64, False, CPU)
     want = cd.choose_num_splits(2, 1, 16, 64, 64, CPU)

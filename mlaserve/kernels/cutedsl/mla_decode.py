@@ -14,7 +14,8 @@ without host work and can be captured in a CUDA graph. The module exposes the pl
 
 Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576]
 with any s_q and h, KV in q's dtype [pages, 64, 576] or, with bf16 q, the FP8 format uint8
-[pages, 64, 656] (mla_decode_fp8_kernel.py: dequantized to bf16 in smem), head_dim_v 512. `nvidia-cutlass-dsl` is
+[pages, 64, 656] (dequantized to bf16 in smem: mla_decode_fp8_narrow_kernel.py, keys on wgmma's M
+side, for requests of at most 32 query rows; mla_decode_fp8_kernel.py for more), head_dim_v 512. `nvidia-cutlass-dsl` is
 imported on the first launch only: checks and plans work without it.
 """
 
@@ -144,9 +145,16 @@ def cluster_size(rows: int, kv_fp8: bool) -> int:
     return 2 if not kv_fp8 and tiles % 2 == 0 else 1
 
 
-def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1):
-    """The compiled kernel for one specialization (compiled on first use, then cached)."""
-    key = (dtype, causal, split, "fp8" if kv_fp8 else "16bit", cluster)
+def fp8_narrow_cols(rows: int) -> int:
+    """The FP8 kernel with the keys on wgmma's M side (mla_decode_fp8_narrow_kernel.py) takes requests of
+    at most 32 query rows, padded to 16 or 32 (wgmma N); 0: the 64-row kernel (mla_decode_fp8_kernel.py)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 0
+
+
+def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0):
+    """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
+    16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one."""
+    key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -155,7 +163,11 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         # compile-time stand-ins: only the pointers' types and alignments matter
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         t0 = time.perf_counter()
-        if kv_fp8:
+        if kv_fp8 and narrow:
+            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
+            fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow),
+                              *_fp8_pointers((None,) * 8), *scalars)
+        elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
             fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split), *_fp8_pointers((None,) * 8),
                               *scalars)
@@ -220,7 +232,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     cuda = importlib.import_module("cuda.bindings.driver")
     kv_fp8 = kv_cache.dtype == torch.uint8
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
-    fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster_size(s_q * h, kv_fp8))
+    fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster_size(s_q * h, kv_fp8),
+                 fp8_narrow_cols(s_q * h) if kv_fp8 else 0)
     fn(*(_fp8_pointers(addresses) if kv_fp8 else _pointers(q.dtype, addresses)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(plan.num_splits), cutlass.Float32(softmax_scale * _LOG2E),

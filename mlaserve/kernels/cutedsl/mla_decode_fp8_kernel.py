@@ -200,41 +200,9 @@ class MLADecodeFP8Sm90:
         if wg == 0:
             # ---------------- loader: TMA (warp 0) and dequantization (all four warps) ----------------
             cute.arch.setmaxregister_decrease(LOADER_REGS)
-            gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
-            gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
-            tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
-                                             cute.group_modes(gRaw, 0, 2))
-            tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
-                                             cute.group_modes(gPE, 0, 2))
-            raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RAW_STAGES)
-            if warp_idx == 0:
-                gQ = cute.local_tile(mQ_tma[None, None, batch], (TILE_M, D_QK), (m_block, 0))
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                 cute.group_modes(gQ, 0, 2))
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                q_pipe.producer_acquire(q_state)
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-            for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
-                if warp_idx == 0:
-                    _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, mBT[batch, first_page + t])
-                raw_p.advance()
-
-            raw_base = storage.sRaw.data_ptr().toint()
-            kv_base = storage.sKV.data_ptr().toint()
-            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
-            for t in cutlass.range(n_tiles, unroll=1):
-                valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
-                raw_pipe.consumer_wait(raw_c)
-                cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
-                dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full, valid)
-                cute.arch.sync_warp()
-                raw_pipe.consumer_release(raw_c)
-                raw_c.advance()
-                if warp_idx == 0:
-                    if t + RAW_STAGES < n_tiles:
-                        _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs,
-                                   mBT[batch, first_page + t + RAW_STAGES])
-                raw_p.advance()
+            fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, m_block, TILE_M, tma_raw, mRaw_tma, sRaw,
+                       tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
+                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start)
         else:
             # ---------------- consumers (the bf16 kernel's math; K/V from the bf16 tile and the raw stage) --------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -338,6 +306,51 @@ def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N))),
             thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V))),
             cute.make_fragment_like(acc_s, sQ.element_type))
+
+
+@cute.jit
+def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, sQ: cute.Tensor, q_pipe,
+               m_block: Int32, q_rows: cutlass.Constexpr[int], tma_raw: cute.CopyAtom, mRaw_tma: cute.Tensor,
+               sRaw: cute.Tensor, tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, sPE: cute.Tensor, raw_pipe,
+               raw_base: Int32, kv_base: Int32, kv_full: cute.Pointer, kv_empty: cute.Pointer, mBT: cute.Tensor,
+               batch: Int32, first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32):
+    """The loader warpgroup of the FP8 dense kernels (this one and mla_decode_fp8_narrow_kernel.py): warp 0
+    loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes and k_pe by TMA into
+    the raw ring; all four warps dequantize each page into the bf16 c_kv tile (at shared address kv_base)
+    once the consumers freed it (kv_empty), releasing it block by block on kv_full, then free the raw stage."""
+    gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
+    gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
+    tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
+                                     cute.group_modes(gRaw, 0, 2))
+    tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                     cute.group_modes(gPE, 0, 2))
+    raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RAW_STAGES)
+    if warp_idx == 0:
+        gQ = cute.local_tile(mQ_tma[None, None, batch], (q_rows, D_QK), (m_block, 0))
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_pipe.producer_acquire(q_state)
+        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+    for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
+        if warp_idx == 0:
+            _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, mBT[batch, first_page + t])
+        raw_p.advance()
+
+    raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+    for t in cutlass.range(n_tiles, unroll=1):
+        valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
+        raw_pipe.consumer_wait(raw_c)
+        cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
+        dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full, valid)
+        cute.arch.sync_warp()
+        raw_pipe.consumer_release(raw_c)
+        raw_c.advance()
+        if warp_idx == 0:
+            if t + RAW_STAGES < n_tiles:
+                _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs,
+                           mBT[batch, first_page + t + RAW_STAGES])
+        raw_p.advance()
 
 
 @cute.jit

@@ -1,0 +1,331 @@
+"""The Hopper (sm_90a) MLA decode over the FP8 656-byte KV format for requests of at most 32 query rows
+(h 16 / h 32 with s_q 1, h 16 with s_q 2), with the keys on wgmma's M side.
+
+mla_decode_fp8_kernel.py puts a request's query rows on M, where a wgmma takes 64: at h 16 three quarters
+of its MMA work is padding, about 1.2 us a page at the tensor cores' peak, more than the ~1.3 us in which
+HBM delivers the page's 42 KB of FP8 to an SM (1.3 us is what FP8 at 1.6x the bf16 kernel's speed needs).
+Here the same page costs N / 64 of that, N = 16 or 32 the query rows padded:
+
+    S^T [64 keys, N] = K [64, 576] Q^T          A = the page (c_kv from the bf16 tile, k_pe from the raw
+                                                stage), K-major; B = Q [N, 576], K-major; m64nN, 36 k-steps
+    O^T [512, N]    += V^T [512, 64 keys] P^T    A = the bf16 tile read as V^T (MN-major, no copy);
+                                                B = P^T [N, 64 keys] in smem, K-major; 8 x m64nN, 4 k-steps
+
+The softmax runs down the columns of S^T (a query row's keys are one column): each thread holds N / 4
+columns in two rows, warps reduce over their 16 keys by shuffles and the four warps meet in smem.
+
+Warp roles (256 threads): WG 0 is the FP8 kernels' loader (mla_decode_fp8_kernel.fp8_loader: TMA of Q
+and of each page's raw bytes and k_pe into a 2-stage ring, dequantization into the one bf16 c_kv tile in 8
+column blocks released on kv_full[block]); WG 1, the consumer, per page t:
+  QK (k_pe first, then each column block once converted) -> release the raw stage -> mask, column
+  maxima (warp shuffles, then the 4 warps through red[t % 2] and named barrier BAR_RED) -> P^T into smem,
+  fence, BAR_P -> O^T rescaled and += V^T P^T -> arrive kv_empty (the loader may convert page t + 1).
+P^T of page t is written after BAR_RED of page t, which every warp reaches only after waiting for its
+P V of page t - 1: no warp's wgmma still reads the old P^T.
+
+Smem: Q N x 576 bf16 + bf16 tile 65536 + raw ring 2 x 41984 + P^T N x 128 + barriers and maxima: 188 KB
+at N 32.
+
+Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8): h 16 275-298 us = 2.3-2.5 TB/s
+(the 64-row kernel: 1.76-1.86), 0.95-1.04x the bf16 kernel; h 32 2.1-2.2 TB/s, 0.88-0.92x. What limits it,
+from probe builds that skipped one side (outputs wrong): the loader alone (TMA + conversion, no math)
+takes 197 us at h 16 and the consumer alone (no conversion) 203 us, and with one bf16 tile they
+serialize: page t + 1's conversion waits for P V of page t, its QK for the conversion. Releasing the tile
+per column block as P V finished each one (8 wgmma groups, 8 kv_empty barriers) and a third raw stage
+were both tried and measured 7% slower / no faster. 1.6x the bf16 kernel (<= 176 us) needs both sides
+faster and overlapped: two bf16 tiles and two consumer warpgroups on alternate pages (smem: raw stages
+of half pages), and more than one loader warp per SM sub-partition for the conversion.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
+    D_PE, D_QK, D_V, LOADER_THREADS, RAW_STAGES, RAW_WORDS, ROPE_ELEMS, ROW_WORDS, TILE_N, _pv_gemm, _qk_gemm,
+    fp8_loader)
+
+THREADS = 256
+CONSUMER_THREADS = 128
+BAR_RED = 1           # the consumer's 4 warps: column maxima (then sums) in smem
+BAR_P = 2             # the consumer's 4 warps: P^T complete in smem
+WARPS = 4
+
+
+def col_slot(i: int, n: int) -> int:
+    """Which of a thread's n / 4 accumulator columns value i of an m64nN fragment (repeated along M) holds:
+    value i = e + 2 r + 4 j (+ n / 2 per 64-row block) sits in column 8 j + 2 (lane % 4) + e, row half r."""
+    v = i % (n // 2)
+    return (v % 2) + 2 * (v // 4)
+
+
+class MLADecodeFP8NarrowSm90:
+    """Compiled per (causal, split, n) with n = 16 or 32 query rows per CTA; q, out bf16. Launched by
+    mla_decode.py through `__call__`, with the arguments of MLADecodeFP8Sm90."""
+
+    def __init__(self, causal: bool, is_split: bool, n: int):
+        assert n in (16, 32)
+        self.dtype = cutlass.BFloat16
+        self.causal = causal
+        self.is_split = is_split
+        self.n = n
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
+                 seqlens_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, po_ptr: cute.Pointer,
+                 pl_ptr: cute.Pointer, batch: Int32, s_q: Int32, h: Int32, num_pages: Int32, max_pages: Int32,
+                 num_splits: Int32, scale_log2: Float32, stream):
+        """As MLADecodeFP8Sm90.__call__ (s_q * h <= n)."""
+        n = self.n
+        rows = s_q * h
+        n_rows = num_pages * TILE_N
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
+        mRaw = cute.make_tensor(kv_ptr, cute.make_layout((n_rows, RAW_WORDS), stride=(ROW_WORDS, 1)))
+        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+        mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
+        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
+        mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
+                                                        stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
+        mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
+                                                        stride=(num_splits * rows, rows, 1)))
+
+        # wgmma operands K-major with the 128-byte swizzle (the bf16 tile as mla_decode_fp8_kernel's, which
+        # the loader's dequantization writes); the raw bytes plain row-major
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
+        sQ_layout = cute.tile_to_shape(atom, (n, D_QK), order=(0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
+        sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
+        sPt_layout = cute.tile_to_shape(atom, (n, TILE_N), order=(0, 1))
+        sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES),
+                                       stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (n, D_QK))
+        tma_raw, mRaw_tma = cpasync.make_tiled_tma_atom(
+            tma_op, mRaw, cute.slice_(sRaw_layout, (None, None, 0)), (TILE_N, RAW_WORDS))
+        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(
+            tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)), (TILE_N, D_PE))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (64, n))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (64, n))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
+            sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
+            sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPt_layout)], 1024]
+            raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
+            red: cute.struct.MemRange[Float32, 2 * WARPS * n]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
+                    s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sPE_layout, sPt_layout,
+                    sRaw_layout, tiled_mma_qk, tiled_mma_pv).launch(
+            grid=(1, num_splits, batch), block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_raw: cute.CopyAtom, mRaw_tma: cute.Tensor,
+               tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, mBT: cute.Tensor, mSeqlens: cute.Tensor,
+               mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, s_q: Int32, h: Int32,
+               rows: Int32, num_splits: Int32, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sPt_layout: cute.ComposedLayout,
+               sRaw_layout: cute.Layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+        n = self.n
+        tidx, _, _ = cute.arch.thread_idx()
+        _, split, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_raw)
+            cpasync.prefetch_descriptor(tma_pe)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        kv_full = storage.kv_mbar.data_ptr()
+        kv_empty = kv_full + KV_BLOCKS
+        if tidx == 0:
+            for cb in cutlass.range_constexpr(KV_BLOCKS):
+                cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
+            cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
+        # raw stage: freed by the 4 loader warps (dequantized) and the 4 consumer warps (k_pe used)
+        raw_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + CONSUMER_THREADS) // 32),
+            tx_count=TILE_N * (RAW_WORDS * 4 + D_PE * 2))
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            tx_count=n * D_QK * 2)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
+        sRaw = storage.sRaw.get_tensor(sRaw_layout)
+        sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
+        sRed = storage.red.get_tensor(cute.make_layout((n, WARPS, 2), stride=(1, n, WARPS * n)))
+
+        # -- this split's tokens: the request's length cut into num_splits runs of whole pages --
+        seqlen = mSeqlens[batch]
+        split_len = ((seqlen + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
+        start = split * split_len
+        end = cutlass.min(start + split_len, seqlen)
+        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+        first_page = start // TILE_N
+
+        if wg == 0:
+            fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, 0, n, tma_raw, mRaw_tma, sRaw,
+                       tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
+                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start)
+        else:
+            ctid = tidx - 128
+            warp = ctid // 32
+            lane = ctid % 32
+            thr_qk = tiled_mma_qk.get_slice(ctid)
+            thr_pv = tiled_mma_pv.get_slice(ctid)
+            sQ_nope = cute.local_tile(sQ, (n, D_V), (0, 0))
+            sQ_pe = cute.local_tile(sQ, (n, D_PE), (0, D_V // D_PE))
+            tSrK = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sKV))
+            tSrKpe = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sPE))
+            tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ_nope))
+            tSrQpe = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ_pe))
+            # V^T [512, 64 keys] and P^T as [64 keys, n]: views of the K-major tiles, (a, b) -> their (b, a)
+            sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+            sP_keys = cute.composition(sPt, cute.make_layout((TILE_N, n), stride=(n, 1)))
+            tOrV = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sVt))
+            tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sPt))
+            tPsP = thr_qk.partition_C(sP_keys)
+            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_N, n)), Float32)
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((D_V, n)), Float32)
+            acc_o.fill(0.0)
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((D_V, n)))
+            rP = cute.make_fragment_like(acc_s, self.dtype)
+
+            # this thread's keys: rows k0 and k0 + 8 of each page; its columns (query rows): slot s is
+            # column 8 (s // 2) + 2 (lane % 4) + s % 2
+            k0 = warp * 16 + lane // 4
+            slots = n // 4
+            cols = [8 * (s // 2) + 2 * (lane % 4) + s % 2 for s in range(slots)]
+            vis = cute.make_rmem_tensor(slots, Int32)       # keys visible to each column
+            col_m = cute.make_rmem_tensor(slots, Float32)   # running max (log2 units)
+            col_l = cute.make_rmem_tensor(slots, Float32)   # this thread's part of the running sum
+            alpha = cute.make_rmem_tensor(slots, Float32)
+            m_base = cute.make_rmem_tensor(slots, Float32)
+            for s in cutlass.range_constexpr(slots):
+                v = seqlen
+                if const_expr(self.causal):
+                    v = seqlen - s_q + 1 + cols[s] // h
+                vis[s] = cutlass.min(v, seqlen)
+                col_m[s] = -Float32.inf
+                col_l[s] = 0.0
+            min_vis = seqlen
+            if const_expr(self.causal):
+                min_vis = cutlass.max(seqlen - s_q + 1, 0)
+
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_pipe.consumer_wait(q_state)
+            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+            for t in cutlass.range(n_tiles, unroll=1):
+                tok0 = start + t * TILE_N
+                raw_pipe.consumer_wait(raw_c)
+                # -- S^T = Kpe Q_pe^T + K Q_nope^T, each 64-column block of K as soon as it is converted --
+                _qk_gemm(tiled_mma_qk, acc_s, tSrK, tSrQ, tSrKpe[None, None, None, raw_c.index], tSrQpe,
+                         kv_full, t % 2)
+                cute.arch.sync_warp()
+                raw_pipe.consumer_release(raw_c)
+                raw_c.advance()
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[i] = acc_s[i] * scale_log2
+                if tok0 + TILE_N > min_vis:
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, n)]:
+                            acc_s[i] = -Float32.inf
+                # -- column maxima: own two rows, the warp's 16 keys, then the 4 warps --
+                mx = cute.make_rmem_tensor(slots, Float32)
+                for s in cutlass.range_constexpr(slots):
+                    i0 = 4 * (s // 2) + s % 2
+                    mx[s] = cute.arch.fmax(acc_s[i0], acc_s[i0 + 2])
+                    for off in (4, 8, 16):
+                        mx[s] = cute.arch.fmax(mx[s], cute.arch.shuffle_sync_bfly(mx[s], offset=off))
+                    if lane < 4:
+                        sRed[cols[s], warp, t % 2] = mx[s]
+                cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+                for s in cutlass.range_constexpr(slots):
+                    m_new = col_m[s]
+                    for w in cutlass.range_constexpr(WARPS):
+                        m_new = cute.arch.fmax(m_new, sRed[cols[s], w, t % 2])
+                    # a column that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0
+                    m_base[s] = m_new
+                    if m_new == -Float32.inf:
+                        m_base[s] = 0.0
+                    alpha[s] = cute.arch.exp2(col_m[s] - m_base[s])
+                    col_m[s] = m_new
+                    col_l[s] = col_l[s] * alpha[s]
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    p = cute.arch.exp2(acc_s[i] - m_base[col_slot(i, n)])
+                    acc_s[i] = p
+                    col_l[col_slot(i, n)] = col_l[col_slot(i, n)] + p
+                rP.store(acc_s.load().to(self.dtype))
+                for i in cutlass.range_constexpr(cute.size(rP)):
+                    tPsP[i] = rP[i]
+                # generic-proxy writes of P^T -> visible to wgmma (async proxy), then to all 4 warps' wgmma
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+                # -- O^T = alpha O^T + V^T P^T, then the bf16 tile is free for the next page --
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[i] = acc_o[i] * alpha[col_slot(i, n)]
+                _pv_gemm(tiled_mma_pv, acc_o, tOrV, tOrP)
+                cute.arch.mbarrier_arrive(kv_empty)
+
+            # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
+            par = n_tiles % 2              # the maxima buffer no warp reads any more
+            inv_l = cute.make_rmem_tensor(slots, Float32)
+            lse = cute.make_rmem_tensor(slots, Float32)
+            for s in cutlass.range_constexpr(slots):
+                for off in (4, 8, 16):
+                    col_l[s] = col_l[s] + cute.arch.shuffle_sync_bfly(col_l[s], offset=off)
+                if lane < 4:
+                    sRed[cols[s], warp, par] = col_l[s]
+            cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+            for s in cutlass.range_constexpr(slots):
+                total = sRed[cols[s], 0, par] + sRed[cols[s], 1, par] + sRed[cols[s], 2, par] + sRed[cols[s], 3, par]
+                inv_l[s] = 0.0
+                lse[s] = -Float32.inf
+                if total > 0.0:
+                    inv_l[s] = 1.0 / total
+                    lse[s] = (col_m[s] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r = tOcO[i][1]
+                if r < rows:
+                    val = acc_o[i] * inv_l[col_slot(i, n)]
+                    if const_expr(self.is_split):
+                        mPO[batch, split, r, tOcO[i][0]] = val
+                    else:
+                        mOut[batch, r, tOcO[i][0]] = val.to(self.dtype)
+            if warp == 0 and lane < 4:
+                for s in cutlass.range_constexpr(slots):
+                    if cols[s] < rows:
+                        if const_expr(self.is_split):
+                            mPL[batch, split, cols[s]] = lse[s]
+                        else:
+                            mLse[batch, cols[s]] = lse[s]
+
