@@ -55,6 +55,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
+from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas)
 
@@ -93,35 +94,11 @@ class MLADecodeFP8Sm90:
         [b]; out bf16 [b, s_q * h, 512], lse fp32 [b, s_q * h]; partials (split only) fp32
         [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]."""
         rows = s_q * h
-        n_rows = num_pages * TILE_N
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
-        mRaw = cute.make_tensor(kv_ptr, cute.make_layout((n_rows, RAW_WORDS), stride=(ROW_WORDS, 1)))
-        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
-        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
-        mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
-        mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
-                                                        stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
-        mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
-                                                        stride=(num_splits * rows, rows, 1)))
-
-        # -- smem layouts: wgmma operands K-major with the 128-byte swizzle; the raw bytes plain row-major --
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
-        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
-        sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
+        (mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout), \
+            (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma) = fp8_host_setup(
+                TILE_M, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q,
+                h, num_pages, max_pages, num_splits)
         sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
-        sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES),
-                                       stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
-
-        tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (TILE_M, D_QK))
-        tma_raw, mRaw_tma = cpasync.make_tiled_tma_atom(
-            tma_op, mRaw, cute.slice_(sRaw_layout, (None, None, 0)), (TILE_N, RAW_WORDS))
-        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(
-            tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)), (TILE_N, D_PE))
 
         tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
 
@@ -165,36 +142,13 @@ class MLADecodeFP8Sm90:
         storage = smem.allocate(self.shared_storage)
         kv_full = storage.kv_mbar.data_ptr()       # KV_BLOCKS barriers, one per 64-column block of the tile
         kv_empty = kv_full + KV_BLOCKS
-        if tidx == 0:
-            for cb in cutlass.range_constexpr(KV_BLOCKS):
-                cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
-            cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
-        # (the pipelines' creation fences the mbarrier inits and syncs the CTA)
-        # raw stage: freed by the 4 loader warps (dequantized) and the 8 consumer warps (k_pe used in S),
-        # one elected lane per warp
-        raw_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + CONSUMER_THREADS) // 32),
-            tx_count=TILE_N * (RAW_WORDS * 4 + D_PE * 2))
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=TILE_M * D_QK * 2)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
-        sRaw = storage.sRaw.get_tensor(sRaw_layout)
+        raw_pipe, q_pipe, sQ, sKV, sPE, sRaw = fp8_kernel_setup(
+            tidx, storage, CONSUMER_THREADS, TILE_M, sQ_layout, sKV_layout, sPE_layout, sRaw_layout)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sStat = storage.row_stat.get_tensor(cute.make_layout((TILE_M, 2)))
 
-        # -- this split's tokens: the request's length cut into num_splits runs of whole pages --
         seqlen = mSeqlens[batch]
-        split_len = ((seqlen + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
-        start = split * split_len
-        end = cutlass.min(start + split_len, seqlen)
-        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+        start, n_tiles = page_split(seqlen, split, num_splits)
         first_page = start // TILE_N
 
         if wg == 0:
@@ -219,16 +173,10 @@ class MLADecodeFP8Sm90:
             alpha = cute.make_rmem_tensor(2, Float32)
             m_base = cute.make_rmem_tensor(2, Float32)
             for hr in cutlass.range_constexpr(2):
-                r_glob = m_block * TILE_M + r0 + 8 * hr
-                v = seqlen
-                if const_expr(self.causal):
-                    v = seqlen - s_q + 1 + r_glob // h
-                vis[hr] = cutlass.min(v, seqlen)
+                vis[hr] = visible_keys(seqlen, s_q, h, m_block * TILE_M + r0 + 8 * hr, self.causal)
                 row_m[hr] = -Float32.inf
                 row_l[hr] = 0.0
-            min_vis = seqlen
-            if const_expr(self.causal):
-                min_vis = cutlass.max(seqlen - s_q + 1, 0)
+            min_vis = first_masked_key(seqlen, s_q, self.causal)
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
@@ -306,6 +254,78 @@ def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N))),
             thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V))),
             cute.make_fragment_like(acc_s, sQ.element_type))
+
+
+def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
+                   batch, s_q, h, num_pages, max_pages, num_splits):
+    """The host-side pieces both FP8 dense kernels (this one, mla_decode_fp8_narrow_kernel.py) build alike,
+    from `__call__`'s arguments (see MLADecodeFP8Sm90.__call__), for CTAs of `q_rows` query rows:
+      tensors (block table, seqlens, out, lse, partial out, partial lse),
+      smem layouts (the 128-byte-swizzle K-major atom; Q [q_rows, 576]; the bf16 c_kv tile [64, 512]; the
+        raw ring's k_pe [64, 64, stages] and bytes [64, 132 words, stages], plain row-major),
+      TMA atoms with their tensors (Q, the raw bytes, k_pe)."""
+    dtype = cutlass.BFloat16
+    rows = s_q * h
+    n_rows = num_pages * TILE_N
+    mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
+    mRaw = cute.make_tensor(kv_ptr, cute.make_layout((n_rows, RAW_WORDS), stride=(ROW_WORDS, 1)))
+    mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+    mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+    mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+    mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
+    mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
+    mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
+                                                    stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
+    mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows), stride=(num_splits * rows, rows, 1)))
+
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, D_QK), dtype)
+    sQ_layout = cute.tile_to_shape(atom, (q_rows, D_QK), order=(0, 1))
+    sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
+    sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
+    sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES), stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
+
+    tma_op = cpasync.CopyBulkTensorTileG2SOp()
+    tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (q_rows, D_QK))
+    tma_raw, mRaw_tma = cpasync.make_tiled_tma_atom(
+        tma_op, mRaw, cute.slice_(sRaw_layout, (None, None, 0)), (TILE_N, RAW_WORDS))
+    tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(
+        tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)), (TILE_N, D_PE))
+    return ((mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout),
+            (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma))
+
+
+def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, sQ_layout: cute.ComposedLayout,
+                     sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sRaw_layout: cute.Layout):
+    """In the FP8 dense kernels, before the warp roles split: thread 0 initializes the tile's barriers in
+    `storage.kv_mbar` (KV_BLOCKS kv_full, each completed by the loader's 128 threads, then kv_empty by the
+    `consumer_threads`); the raw ring's pipeline (a stage is freed by the 4 loader warps, dequantized, and
+    the consumer warps, k_pe used in S: one elected lane per warp) and Q's (creating them fences the inits
+    and syncs the CTA); the smem tensors. -> (raw_pipe, q_pipe, sQ, sKV, sPE, sRaw)."""
+    _init_tile_barriers(tidx, storage.kv_mbar.data_ptr(), consumer_threads)
+    raw_pipe = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + consumer_threads) // 32),
+        tx_count=TILE_N * (RAW_WORDS * 4 + D_PE * 2))
+    q_pipe = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads // 32),
+        tx_count=q_rows * D_QK * 2)
+    return (raw_pipe, q_pipe,
+            storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner),
+            storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner),
+            storage.sRaw.get_tensor(sRaw_layout))
+
+
+@cute.jit
+def _init_tile_barriers(tidx: Int32, kv_full: cute.Pointer, consumer_threads: cutlass.Constexpr[int]):
+    if tidx == 0:
+        for cb in cutlass.range_constexpr(KV_BLOCKS):
+            cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
+        cute.arch.mbarrier_init(kv_full + KV_BLOCKS, consumer_threads)
 
 
 @cute.jit

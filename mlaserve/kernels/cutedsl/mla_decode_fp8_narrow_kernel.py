@@ -49,8 +49,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
-    D_PE, D_QK, D_V, LOADER_THREADS, RAW_STAGES, RAW_WORDS, ROPE_ELEMS, ROW_WORDS, TILE_N, _pv_gemm, _qk_gemm,
-    fp8_loader)
+    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
+from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 
 THREADS = 256
 CONSUMER_THREADS = 128
@@ -85,36 +85,11 @@ class MLADecodeFP8NarrowSm90:
         """As MLADecodeFP8Sm90.__call__ (s_q * h <= n)."""
         n = self.n
         rows = s_q * h
-        n_rows = num_pages * TILE_N
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
-        mRaw = cute.make_tensor(kv_ptr, cute.make_layout((n_rows, RAW_WORDS), stride=(ROW_WORDS, 1)))
-        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
-        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
-        mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
-        mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
-                                                        stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
-        mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
-                                                        stride=(num_splits * rows, rows, 1)))
-
-        # wgmma operands K-major with the 128-byte swizzle (the bf16 tile as mla_decode_fp8_kernel's, which
-        # the loader's dequantization writes); the raw bytes plain row-major
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
-        sQ_layout = cute.tile_to_shape(atom, (n, D_QK), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
-        sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
-        sPt_layout = cute.tile_to_shape(atom, (n, TILE_N), order=(0, 1))
-        sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES),
-                                       stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
-
-        tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (n, D_QK))
-        tma_raw, mRaw_tma = cpasync.make_tiled_tma_atom(
-            tma_op, mRaw, cute.slice_(sRaw_layout, (None, None, 0)), (TILE_N, RAW_WORDS))
-        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(
-            tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)), (TILE_N, D_PE))
+        (mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout), \
+            (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma) = fp8_host_setup(
+                n, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q, h,
+                num_pages, max_pages, num_splits)
+        sPt_layout = cute.tile_to_shape(atom, (n, TILE_N), order=(0, 1))     # P^T [n, 64 keys], K-major
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -162,34 +137,13 @@ class MLADecodeFP8NarrowSm90:
         storage = smem.allocate(self.shared_storage)
         kv_full = storage.kv_mbar.data_ptr()
         kv_empty = kv_full + KV_BLOCKS
-        if tidx == 0:
-            for cb in cutlass.range_constexpr(KV_BLOCKS):
-                cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
-            cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
-        # raw stage: freed by the 4 loader warps (dequantized) and the 4 consumer warps (k_pe used)
-        raw_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + CONSUMER_THREADS) // 32),
-            tx_count=TILE_N * (RAW_WORDS * 4 + D_PE * 2))
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=n * D_QK * 2)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
-        sRaw = storage.sRaw.get_tensor(sRaw_layout)
+        raw_pipe, q_pipe, sQ, sKV, sPE, sRaw = fp8_kernel_setup(
+            tidx, storage, CONSUMER_THREADS, n, sQ_layout, sKV_layout, sPE_layout, sRaw_layout)
         sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
         sRed = storage.red.get_tensor(cute.make_layout((n, WARPS, 2), stride=(1, n, WARPS * n)))
 
-        # -- this split's tokens: the request's length cut into num_splits runs of whole pages --
         seqlen = mSeqlens[batch]
-        split_len = ((seqlen + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
-        start = split * split_len
-        end = cutlass.min(start + split_len, seqlen)
-        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+        start, n_tiles = page_split(seqlen, split, num_splits)
         first_page = start // TILE_N
 
         if wg == 0:
@@ -231,15 +185,10 @@ class MLADecodeFP8NarrowSm90:
             alpha = cute.make_rmem_tensor(slots, Float32)
             m_base = cute.make_rmem_tensor(slots, Float32)
             for s in cutlass.range_constexpr(slots):
-                v = seqlen
-                if const_expr(self.causal):
-                    v = seqlen - s_q + 1 + cols[s] // h
-                vis[s] = cutlass.min(v, seqlen)
+                vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
                 col_m[s] = -Float32.inf
                 col_l[s] = 0.0
-            min_vis = seqlen
-            if const_expr(self.causal):
-                min_vis = cutlass.max(seqlen - s_q + 1, 0)
+            min_vis = first_masked_key(seqlen, s_q, self.causal)
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)

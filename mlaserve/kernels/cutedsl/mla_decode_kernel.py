@@ -82,6 +82,29 @@ def _acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
                 (d.stride[0][2][1], d.stride[2])))
 
 
+def page_split(seqlen: Int32, split: Int32, num_splits: Int32):
+    """This split's tokens of the dense decode kernels: the request's length cut into num_splits runs of
+    whole pages -> (first token, pages to read; 0 for a split past the end)."""
+    split_len = ((seqlen + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
+    start = split * split_len
+    end = cutlass.min(start + split_len, seqlen)
+    return start, cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+
+
+def visible_keys(seqlen: Int32, s_q: Int32, h: Int32, row: Int32, causal: bool) -> Int32:
+    """The keys query row `row` (= new token j * h + head) may see: the request's seqlen, or causally the
+    first seqlen - s_q + 1 + j."""
+    v = seqlen
+    if causal:
+        v = seqlen - s_q + 1 + row // h
+    return cutlass.min(v, seqlen)
+
+
+def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
+    """The smallest number of keys any row sees (tiles that end before it need no mask)."""
+    return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
+
+
 def _kv_state(t: Int32) -> pipeline.PipelineState:
     """The consumer pipeline state of tile t: stage t % 2, phase flips every NUM_STAGES tiles."""
     return pipeline.PipelineState(NUM_STAGES, t, t % NUM_STAGES, (t // NUM_STAGES) % 2)
@@ -207,12 +230,8 @@ class MLADecodeSm90:
         sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
         sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2)))
 
-        # -- this split's tokens: the request's length cut into num_splits runs of whole pages --
         seqlen = mSeqlens[batch]
-        split_len = ((seqlen + num_splits - 1) // num_splits + TILE_N - 1) // TILE_N * TILE_N
-        start = split * split_len
-        end = cutlass.min(start + split_len, seqlen)
-        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+        start, n_tiles = page_split(seqlen, split, num_splits)
 
         if wg == 0:
             # ---------------- producer ----------------
@@ -281,16 +300,10 @@ class MLADecodeSm90:
             row_m = cute.make_rmem_tensor(2, Float32)  # the max (log2 units) O_w and row_l are scaled to
             row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the sums of its own tiles' P
             for hr in cutlass.range_constexpr(2):
-                r_glob = m_block * TILE_M + r0 + 8 * hr
-                v = seqlen
-                if const_expr(self.causal):
-                    v = seqlen - s_q + 1 + r_glob // h
-                vis[hr] = cutlass.min(v, seqlen)
+                vis[hr] = visible_keys(seqlen, s_q, h, m_block * TILE_M + r0 + 8 * hr, self.causal)
                 row_m[hr] = -Float32.inf
                 row_l[hr] = 0.0
-            min_vis = seqlen
-            if const_expr(self.causal):
-                min_vis = cutlass.max(seqlen - s_q + 1, 0)
+            min_vis = first_masked_key(seqlen, s_q, self.causal)
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
