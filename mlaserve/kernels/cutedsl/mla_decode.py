@@ -134,8 +134,8 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
 
 def cluster_size(rows: int, kv_fp8: bool) -> int:
     """CTAs per cluster: 2 where a request's 64-row tiles pair up (h 128; h 64 with s_q 2), each of the pair
-    loading half of every page into both CTAs' smem by TMA multicast; 1 for FP8 KV (its loader warpgroup
-    gathers with cp.async) or an odd number of row tiles.
+    loading half of every page into both CTAs' smem by TMA multicast; 1 for an odd number of row tiles and
+    for FP8 KV (the FP8 kernels load and convert each page per CTA; pairing them is not built).
 
     A pair reads a page from L2 once instead of twice and runs in step. Measured on the H200 (b 128, s_k
     4k-32k, scripts/cutedsl_check.py --clusters): h 128 s_q 1 +3-5% over unpaired CTAs, s_q 2 +2%, h 64 s_q 2

@@ -5,7 +5,10 @@ Imported only where `nvidia-cutlass-dsl` is installed (mla_decode.py loads it on
 Warp roles (384 threads, three warpgroups):
 - WG 0, the producer (setmaxnreg 24): warp 0 loads the CTA's Q tile once (TMA, [64, 576]) and then
   one 64-token page per stage into a 2-stage smem ring (TMA, [64, 576] per page, page id read from
-  the block table); the other three warps idle out.
+  the block table); the other three warps idle out. Where a request has an even number of row tiles
+  (h 128), its tiles run as 2-CTA clusters (mla_decode.cluster_size): each CTA's producer loads half of
+  the page's rows into both CTAs' smem (TMA multicast), and a stage is free once both CTAs' consumers
+  released it (each consumer warp arrives on the empty barrier of every CTA of the cluster).
 - WG 1 and WG 2, the consumers (setmaxnreg 240), "seesaw" over the tiles (FlashMLA's Hopper schedule):
   consumer w owns the tiles t with t % 2 == w (so always ring stage w) and holds columns 256w..256w+256
   of O. For its own tile t it computes the whole S = Q K_t^T (wgmma m64n64, K = 576), the softmax
@@ -111,7 +114,8 @@ def _kv_state(t: Int32) -> pipeline.PipelineState:
 
 
 class MLADecodeSm90:
-    """Compiled per (dtype, causal, split). Launched by mla_decode.py through `__call__` (a cute.jit host function)."""
+    """Compiled per (dtype, causal, split, cluster). Launched by mla_decode.py through `__call__` (a cute.jit
+    host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1):
         self.dtype = dtype
