@@ -1,7 +1,8 @@
 """The Hopper (sm_90a) sparse MLA (DSA) kernel over the FP8 656-byte KV format, in CuTe DSL.
 
 One CTA = 64 heads of one query token x one split of that token's top-k, the grid of the bf16 sparse kernel
-(sparse_mla_kernel.py). The rows are gathered as there, the e4m3 bytes dequantized as in the dense FP8 kernel
+(sparse_mla_kernel.py, whose host setup, CTA prelude, Q load and gather pieces it shares). The rows are
+gathered as there, the e4m3 bytes dequantized as in the dense FP8 kernel
 (mla_decode_fp8_kernel.py, whose helpers this module calls), and the consumers' math is the dense FP8
 kernel's with the sparse kernel's per-key mask.
 
@@ -47,33 +48,26 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import nvvm
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass import Float32, Int32, const_expr
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
 from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _pv_gemm, _qk_gemm
+from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
+    D_QK, D_V, HALF_N, PRODUCER_THREADS, ROW_PASSES, ROWS_PER_PASS, THREADS, TILE_M, TILE_N, consumer_rows, cp16,
+    cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
+    wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias, split_tiled_mmas,
-    store_sparse)
+    CONSUMER_THREADS, finish_rows, key_of, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias,
+    split_tiled_mmas, store_sparse)
 
-TILE_M = 64           # heads per CTA: one wgmma M
-TILE_N = 64           # gathered rows per tile
-D_QK = 576
-D_V = 512
 D_PE = D_QK - D_V
-HALF_N = TILE_N // 2
 RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit words (528 B)
 ROW_WORDS = 164       # 656 B
 RAW_CHUNKS = RAW_WORDS // 4   # 33 16-byte chunks
 RAW_STAGES = 2
 LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
-THREADS = 3 * 128
-LOADER_THREADS = 128
-ROWS_PER_PASS = LOADER_THREADS // 8   # 16: 8 threads per gathered row
-ROW_PASSES = TILE_N // ROWS_PER_PASS  # 4
+LOADER_THREADS = PRODUCER_THREADS   # 128, gathering 8 threads per row as sparse_mla_kernel.row_slots assumes
 
 
 class SparseMLAFP8Sm90:
@@ -91,27 +85,14 @@ class SparseMLAFP8Sm90:
         """q bf16 [tokens, h, 576]; kv: the cache uint8 [num_slots, 656] as int32 words; idx int32
         [tokens, topk]; out bf16 [tokens, h, 512], lse fp32 [tokens, h]; partials (split only) fp32
         [num_splits, tokens, h, 512] and [num_splits, tokens, h]. Split s covers indices [s * split_len, +split_len)."""
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((h, D_QK, tokens), stride=(D_QK, 1, h * D_QK)))
         mKV = cute.make_tensor(kv_ptr, cute.make_layout((num_slots, ROW_WORDS), stride=(ROW_WORDS, 1)))
-        mIdx = cute.make_tensor(idx_ptr, cute.make_layout((tokens, topk), stride=(topk, 1)))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((tokens, h, D_V), stride=(h * D_V, D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((tokens, h), stride=(h, 1)))
-        mPO = cute.make_tensor(po_ptr, cute.make_layout((num_splits, tokens, h, D_V),
-                                                        stride=(tokens * h * D_V, h * D_V, D_V, 1)))
-        mPL = cute.make_tensor(pl_ptr, cute.make_layout((num_splits, tokens, h), stride=(tokens * h, h, 1)))
-
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
-        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1))
+        (mIdx, mOut, mLse, mPO, mPL), (atom, sQ_layout, sP_layout), (tma_q, mQ_tma), (m_blocks, grid) = \
+            sparse_host_setup(self.dtype, q_ptr, idx_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, tokens, h, topk,
+                              num_splits)
         sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
         sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
-        sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
         sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES),
                                        stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
-
-        # Q rows past h (h < 64) lie outside the tensor: TMA fills them with zeros
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (TILE_M, D_QK))
-
         tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
 
         @cute.struct
@@ -127,9 +108,6 @@ class SparseMLAFP8Sm90:
             row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
 
         self.shared_storage = SharedStorage
-        m_blocks = (h + TILE_M - 1) // TILE_M
-        # head blocks of one token adjacent on x: the second CTA's gather hits the rows the first pulled into L2
-        grid = (m_blocks * tokens, num_splits, 1)
         self.kernel(tma_q, mQ_tma, mKV, mIdx, mOut, mLse, mPO, mPL, h, m_blocks, split_len, topk, scale_log2,
                     sQ_layout, sKV_layout, sPE_layout, sP_layout, sRaw_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -141,17 +119,8 @@ class SparseMLAFP8Sm90:
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, sRaw_layout: cute.Layout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, split, _ = cute.arch.block_idx()
-        m_block = bx % m_blocks
-        token = bx // m_blocks
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_q)
-
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        tidx, warp_idx, wg, m_block, token, split = cta_coords(tma_q, m_blocks)
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
         kv_full = storage.kv_mbar.data_ptr()       # KV_BLOCKS barriers, one per 64-column block of the tile
         kv_empty = kv_full + KV_BLOCKS
         if tidx == 0:
@@ -165,32 +134,18 @@ class SparseMLAFP8Sm90:
             barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, LOADER_THREADS),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + CONSUMER_THREADS) // 32))
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=TILE_M * D_QK * 2)
+        q_pipe = make_q_pipe(storage, self.dtype)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sStat = storage.row_stat.get_tensor(cute.make_layout((TILE_M, 2)))
-
-        # -- this split's indices: [start, end) of the token's top-k, whole 64-row tiles but the last --
-        start = split * split_len
-        end = cutlass.min(start + split_len, topk)
-        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+        start, end, n_tiles = split_range(split, split_len, topk)
 
         if wg == 0:
             # ---------------- loader: Q (TMA, warp 0), gather (cp.async) and dequantization (all four warps) ----
             cute.arch.setmaxregister_decrease(LOADER_REGS)
-            if warp_idx == 0:
-                gQ = cute.local_tile(mQ_tma[None, None, token], (TILE_M, D_QK), (m_block, 0))
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                 cute.group_modes(gQ, 0, 2))
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                q_pipe.producer_acquire(q_state)
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            load_q(warp_idx, tma_q, mQ_tma, sQ, q_pipe, token, m_block)
             raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RAW_STAGES)
             for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
                 self._gather(tidx, token, start + t * TILE_N, end, mKV, mIdx, storage.sRaw.data_ptr(),
@@ -214,9 +169,7 @@ class SparseMLAFP8Sm90:
                     self._gather(tidx, token, start + (t + RAW_STAGES) * TILE_N, end, mKV, mIdx,
                                  storage.sRaw.data_ptr(), storage.sPE.data_ptr(), raw_pipe, raw_p)
                 raw_p.advance()
-            # no thread exits with copies (and their mbarrier arrivals) in flight
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
+            drain_copies()
         else:
             # ---------------- consumers ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -225,29 +178,18 @@ class SparseMLAFP8Sm90:
             (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP) = _consumer_operands(
                 tiled_mma_qk, tiled_mma_pv, ctid, cw, sQ, sKV, sPE, sP)
             n_vals = cute.size(acc_s)
-            # value i = v0 + 2 v1 + 4 v2 sits in column pair v0, row half v1, 8-column group v2: the thread's
-            # distinct keys are j = v0 + 2 v2 (sparse_mla_kernel.py)
-            bias = cute.make_rmem_tensor(n_vals // 2, Float32)
-
-            r0 = (ctid // 32) * 16 + (ctid % 32) // 4
-            row_m = cute.make_rmem_tensor(2, Float32)  # running max (log2 units)
-            row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
+            bias = cute.make_rmem_tensor(n_vals // 2, Float32)   # 0 or -inf per distinct key (key_of) of this thread
+            r0, row_m, row_l = consumer_rows(ctid)
             alpha = cute.make_rmem_tensor(2, Float32)
             m_base = cute.make_rmem_tensor(2, Float32)
-            for hr in cutlass.range_constexpr(2):
-                row_m[hr] = -Float32.inf
-                row_l[hr] = 0.0
 
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            q_pipe.consumer_wait(q_state)
+            wait_q(q_pipe)
             raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
             for t in cutlass.range(n_tiles, unroll=1):
                 stage = raw_c.index
                 # -- this half's keys: -inf where the index is -1 or past the split (read before the waits) --
                 sparse_key_bias(bias, tScS, start + t * TILE_N + cw * HALF_N, end, mIdx, token)
-                raw_pipe.consumer_wait(raw_c)
-                # k_pe came by cp.async (generic proxy); wgmma reads it through the async proxy
-                cute.arch.fence_proxy("async.shared", space="cta")
+                wait_gathered(raw_pipe, raw_c)      # k_pe, read by wgmma straight from the raw stage
                 # -- S_w = Q_pe Kpe_w^T + Q_nope K_w^T, each 64-column block of K as soon as it is converted --
                 _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full, t % 2)
                 # the wgmma wait is warp-wide: one lane per warp frees the raw stage
@@ -255,7 +197,7 @@ class SparseMLAFP8Sm90:
                     raw_pipe.consumer_release(raw_c)
                 raw_c.advance()
                 for i in cutlass.range_constexpr(n_vals):
-                    acc_s[i] = acc_s[i] * scale_log2 + bias[(i % 2) + 2 * (i // 4)]
+                    acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
                 rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
                 publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
@@ -282,11 +224,7 @@ class SparseMLAFP8Sm90:
         """
         prow = tidx // 8
         pc = tidx % 8
-        slots = cute.make_rmem_tensor(ROW_PASSES, Int32)
-        for i in cutlass.range_constexpr(ROW_PASSES):
-            slots[i] = -1
-            if pos0 + prow + ROWS_PER_PASS * i < end:
-                slots[i] = mIdx[token, pos0 + prow + ROWS_PER_PASS * i]
+        slots = row_slots(mIdx, token, pos0 + prow, end)
         raw_pipe.producer_acquire(state)
         raw_stage = raw_ptr + state.index * (TILE_N * RAW_WORDS)
         pe_stage = pe_ptr + state.index * (TILE_N * D_PE)
@@ -294,28 +232,15 @@ class SparseMLAFP8Sm90:
         swz = (pc ^ (prow % 8)) * 8
         for i in cutlass.range_constexpr(ROW_PASSES):
             r = prow + ROWS_PER_PASS * i
-            slot = slots[i]
-            # -1 rows: a 0-byte source fills the chunk with zeros; the address is the cache's first row
-            nbytes = Int32(0)
-            row_off = Int64(0)
-            if slot >= 0:
-                nbytes = Int32(16)
-                row_off = Int64(slot) * ROW_WORDS
+            nbytes, row_off = slot_source(slots[i], ROW_WORDS)
             for j in cutlass.range_constexpr((RAW_CHUNKS + 7) // 8):
                 if const_expr(8 * j + 8 <= RAW_CHUNKS):
-                    _cp16(raw_stage + (r * RAW_WORDS + (pc + 8 * j) * 4),
-                          kv_base + (row_off + (pc + 8 * j) * 4), nbytes)
+                    cp16(raw_stage + (r * RAW_WORDS + (pc + 8 * j) * 4), kv_base + (row_off + (pc + 8 * j) * 4),
+                         nbytes)
                 else:
                     if pc + 8 * j < RAW_CHUNKS:      # the last chunk (the scales): one thread of the 8
-                        _cp16(raw_stage + (r * RAW_WORDS + (pc + 8 * j) * 4),
-                              kv_base + (row_off + (pc + 8 * j) * 4), nbytes)
-            _cp16(pe_stage + (r * D_PE + swz), kv_base + (row_off + RAW_WORDS + pc * 4), nbytes)
+                        cp16(raw_stage + (r * RAW_WORDS + (pc + 8 * j) * 4),
+                             kv_base + (row_off + (pc + 8 * j) * 4), nbytes)
+            cp16(pe_stage + (r * D_PE + swz), kv_base + (row_off + RAW_WORDS + pc * 4), nbytes)
         # fires once this thread's copies so far have landed (the barrier counts 128 such arrivals)
         raw_pipe.producer_commit(state)
-
-
-@cute.jit
-def _cp16(dst: cute.Pointer, src: cute.Pointer, nbytes: Int32):
-    """16 bytes global -> shared by cp.async (L2 only); nbytes 0 writes 16 zero bytes instead."""
-    nvvm.cp_async_shared_global(dst.llvm_ptr, src.llvm_ptr, 16, nvvm.LoadCacheModifierKind.CG,
-                                cp_size=nbytes.ir_value())

@@ -1,10 +1,10 @@
 """The Hopper (sm_90a) sparse MLA (DSA) kernel with the dense decode kernel's "seesaw" consumers.
 
 The grid, the Q load and the cp.async gather of the selected rows are sparse_mla_kernel.py's (this class
-inherits its `_gather`); the consumers are mla_decode_kernel.py's seesaw: consumer w owns the tiles
-t % 2 == w (ring stage w), computes the whole S = Q K_t^T of its tile at m64n64, publishes P(t) and the
-running max m(t) through smem, and both consumers add P(t) V_t into their 256 columns of O (the owner
-with P from registers, the other from smem). Differences from the dense kernel:
+inherits its `__call__`, `_smem` and `_gather`); the consumers are mla_decode_kernel.py's seesaw: consumer
+w owns the tiles t % 2 == w (ring stage w), computes the whole S = Q K_t^T of its tile at m64n64, publishes
+P(t) and the running max m(t) through smem, and both consumers add P(t) V_t into their 256 columns of O
+(the owner with P from registers, the other from smem). Differences from the dense kernel:
 - the mask is per key, from the token's index row (-1 or past the split's end: -inf), the same for every
   head row of the CTA; rows that were masked were also zero-filled by the gather, so no V row needs
   zeroing before P V;
@@ -20,47 +20,31 @@ this kernel's own barrier BAR_SUM: ids 1 and 2 are the "P ready" barriers) and s
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode_kernel import _acc_as_a_operand, _issue, _kv_state
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
-    CONSUMER_REGS, D_QK, D_V, NUM_STAGES, PRODUCER_REGS, PRODUCER_THREADS, THREADS, TILE_M, TILE_N, SparseMLASm90,
-    _v_view)
+    CONSUMER_REGS, NUM_STAGES, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, _v_view, consumer_rows, cta_coords,
+    load_q, split_range, wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, HALF_V, finish_rows, row_of, scale_rows, sparse_key_bias, store_sparse)
+    CONSUMER_THREADS, HALF_V, exp_p, finish_rows, key_of, move_row_max, row_of, scale_rows, sparse_key_bias,
+    store_sparse)
 
 BAR_P_READY = 1       # + w: consumer w arrives once P and m of its tile are in smem (0 is __syncthreads)
 BAR_SUM = 3           # both consumers: row sums exchanged at the end
 
 
 class SparseMLASeesawSm90(SparseMLASm90):
-    """Compiled per (dtype, split), launched like SparseMLASm90."""
+    """Compiled per (dtype, split), launched like SparseMLASm90 (its `__call__`, with this class's MMAs and
+    max buffer)."""
 
-    @cute.jit
-    def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,
-                 lse_ptr: cute.Pointer, po_ptr: cute.Pointer, pl_ptr: cute.Pointer,
-                 tokens: Int32, h: Int32, num_slots: Int32, topk: Int32, num_splits: Int32, split_len: Int32,
-                 scale_log2: Float32, stream):
-        """The arguments of SparseMLASm90.__call__."""
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((h, D_QK, tokens), stride=(D_QK, 1, h * D_QK)))
-        mKV = cute.make_tensor(kv_ptr, cute.make_layout((num_slots, D_QK), stride=(D_QK, 1)))
-        mIdx = cute.make_tensor(idx_ptr, cute.make_layout((tokens, topk), stride=(topk, 1)))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((tokens, h, D_V), stride=(h * D_V, D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((tokens, h), stride=(h, 1)))
-        mPO = cute.make_tensor(po_ptr, cute.make_layout((num_splits, tokens, h, D_V),
-                                                        stride=(tokens * h * D_V, h * D_V, D_V, 1)))
-        mPL = cute.make_tensor(pl_ptr, cute.make_layout((num_splits, tokens, h), stride=(tokens * h, h, 1)))
+    ROW_MAX_COLS = 1      # sMax [64]: the running max m(t) its owner published with P(t)
 
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
-        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_QK, NUM_STAGES), order=(0, 1, 2))
-        sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (TILE_M, D_QK))
-
+    def _tiled_mmas(self) -> tuple:
+        """S: one warpgroup, M 64 x N 64 (the whole tile); O: one warpgroup, M 64 x N 256 (its half of V),
+        with P from smem (the other consumer's tile) or from registers (its own)."""
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             Float32, (1, 1, 1), (TILE_M, TILE_N))
@@ -70,23 +54,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
         tiled_mma_pv_rs = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, (1, 1, 1), (TILE_M, HALF_V), a_source=warpgroup.OperandSource.RMEM)
-
-        @cute.struct
-        class SharedStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            row_max: cute.struct.MemRange[Float32, TILE_M]
-            row_sum: cute.struct.MemRange[Float32, TILE_M * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-
-        self.shared_storage = SharedStorage
-        m_blocks = (h + TILE_M - 1) // TILE_M
-        grid = (m_blocks * tokens, num_splits, 1)
-        self.kernel(tma_q, mQ_tma, mKV, mIdx, mOut, mLse, mPO, mPL, h, topk, m_blocks, split_len, scale_log2,
-                    sQ_layout, sKV_layout, sP_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs).launch(
-            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        return tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
@@ -94,46 +62,16 @@ class SparseMLASeesawSm90(SparseMLASm90):
                m_blocks: Int32, split_len: Int32, scale_log2: Float32, sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, tiled_mma_pv_rs: cute.TiledMma):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, split, _ = cute.arch.block_idx()
-        m_block = bx % m_blocks
-        token = bx // m_blocks
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_q)
-
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        kv_pipe = pipeline.PipelineCpAsync.create(
-            barrier_storage=storage.kv_mbar.data_ptr(), num_stages=NUM_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCER_THREADS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32))
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=TILE_M * D_QK * self.dtype.width // 8)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        tidx, warp_idx, wg, m_block, token, split = cta_coords(tma_q, m_blocks)
+        storage, kv_pipe, q_pipe, sQ, sKV, sP = self._smem(sQ_layout, sKV_layout, sP_layout)
         sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
         sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2)))
-
-        start = split * split_len
-        end = cutlass.min(start + split_len, topk)
-        n_tiles = cutlass.max((end - start + TILE_N - 1) // TILE_N, 0)
+        start, end, n_tiles = split_range(split, split_len, topk)
 
         if wg == 0:
             # ---------------- producer: Q (TMA, warp 0), then the gather (all 128 threads) ----------------
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0:
-                gQ = cute.local_tile(mQ_tma[None, None, token], (TILE_M, D_QK), (m_block, 0))
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                 cute.group_modes(gQ, 0, 2))
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                q_pipe.producer_acquire(q_state)
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            load_q(warp_idx, tma_q, mQ_tma, sQ, q_pipe, token, m_block)
             self._gather(tidx, token, start, end, n_tiles, mKV, mIdx, storage.sKV.data_ptr(), kv_pipe)
         else:
             # ---------------- consumers: the seesaw ----------------
@@ -158,17 +96,12 @@ class SparseMLASeesawSm90(SparseMLASm90):
             rP = cute.make_fragment_like(acc_s, self.dtype)
             tOrP = cute.make_tensor(rP.iterator, _acc_as_a_operand(rP.layout))   # P(t) as the A operand
             n_vals = cute.size(acc_s)
-            bias = cute.make_rmem_tensor(n_vals // 2, Float32)   # 0 or -inf per distinct key of this thread
+            bias = cute.make_rmem_tensor(n_vals // 2, Float32)   # 0 or -inf per distinct key (key_of) of this thread
 
-            r0 = (ctid // 32) * 16 + (ctid % 32) // 4
-            row_m = cute.make_rmem_tensor(2, Float32)  # the max (log2 units) O_w and row_l are scaled to
-            row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the sums of its own tiles' P
-            for hr in cutlass.range_constexpr(2):
-                row_m[hr] = -Float32.inf
-                row_l[hr] = 0.0
+            # row_m: the max O_w and row_l are scaled to; row_l: this thread's part of the sums of its own tiles' P
+            r0, row_m, row_l = consumer_rows(ctid)
 
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            q_pipe.consumer_wait(q_state)
+            wait_q(q_pipe)
             for t in cutlass.range(cw, n_tiles, 2, unroll=1):
                 own = _kv_state(t)
                 # this tile's key mask, read before any wait (the indices are in L1/L2: the gather read them)
@@ -178,8 +111,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
                     self._other_tile_pv(cw, _kv_state(t - 1), kv_pipe, sMax, r0, row_m, row_l, acc_o,
                                         tiled_mma_pv, tOrPs, tOrV)
                 # -- c: S = Q K_t^T --
-                kv_pipe.consumer_wait(own)
-                cute.arch.fence_proxy("async.shared", space="cta")
+                wait_gathered(kv_pipe, own)
                 _issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
                 warpgroup.wait_group(0)
                 # -- d: mask, running max, P --
@@ -187,25 +119,15 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 mx[0] = row_m[0]
                 mx[1] = row_m[1]
                 for i in cutlass.range_constexpr(n_vals):
-                    acc_s[i] = acc_s[i] * scale_log2 + bias[(i % 2) + 2 * (i // 4)]
+                    acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
                     mx[row_of(i)] = cute.arch.fmax(mx[row_of(i)], acc_s[i])
                 alpha = cute.make_rmem_tensor(2, Float32)
                 m_base = cute.make_rmem_tensor(2, Float32)
                 for hr in cutlass.range_constexpr(2):
                     mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
                     mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
-                    m_base[hr] = mx[hr]
-                    if mx[hr] == -Float32.inf:
-                        m_base[hr] = 0.0
-                    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-                    row_m[hr] = mx[hr]
-                    row_l[hr] = row_l[hr] * alpha[hr]
-                for i in cutlass.range_constexpr(n_vals):
-                    p = cute.arch.exp2(acc_s[i] - m_base[row_of(i)])
-                    acc_s[i] = p
-                    row_l[row_of(i)] = row_l[row_of(i)] + p
-                rP.store(acc_s.load().to(self.dtype))
+                    move_row_max(row_m, row_l, alpha, m_base, hr, mx[hr])
+                exp_p(acc_s, m_base, row_l, rP)
                 # -- e: publish P(t), m(t) --
                 cute.autovec_copy(rP, tPsP)
                 if ctid % 4 == 0:
@@ -239,18 +161,11 @@ class SparseMLASeesawSm90(SparseMLASm90):
         """Steps a, b for the other consumer's tile (state st), as in mla_decode_kernel.py: wait for its P
         and m, rescale this consumer's O half and row sums to that m, O_w += P V_w, release the stage."""
         cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
-        kv_pipe.consumer_wait(st)
-        cute.arch.fence_proxy("async.shared", space="cta")
+        wait_gathered(kv_pipe, st)
         alpha = cute.make_rmem_tensor(2, Float32)
         m_base = cute.make_rmem_tensor(2, Float32)
         for hr in cutlass.range_constexpr(2):
-            m_new = sMax[r0 + 8 * hr]
-            m_base[hr] = m_new
-            if m_new == -Float32.inf:
-                m_base[hr] = 0.0
-            alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-            row_m[hr] = m_new
-            row_l[hr] = row_l[hr] * alpha[hr]
+            move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
         scale_rows(acc_o, alpha)
         _issue(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
         warpgroup.wait_group(0)

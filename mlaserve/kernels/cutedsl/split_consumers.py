@@ -2,7 +2,7 @@
 (mla_decode_fp8_kernel.py), the bf16/fp16 sparse MLA (sparse_mla_kernel.py) and the FP8 sparse MLA
 (sparse_mla_fp8_kernel.py). (The bf16/fp16 dense decode, mla_decode_kernel.py, and the bf16/fp16 sparse
 seesaw kernel, sparse_mla_seesaw_kernel.py, have the seesaw instead; they share finish_rows, and the
-sparse one also scale_rows, sparse_key_bias and store_sparse.)
+sparse one also move_row_max, exp_p, scale_rows, sparse_key_bias and store_sparse.)
 
 Two consumer warpgroups (256 threads) share a 64-row tile: consumer w computes S_w for keys 32w..32w+32
 of the tile (a wgmma m64n32 accumulator) and O_w for columns 256w..256w+256. Each thread of a wgmma m64
@@ -32,6 +32,12 @@ def row_of(i: int) -> int:
     return (i // 2) % 2
 
 
+def key_of(i: int) -> int:
+    """Which of a thread's distinct keys (S columns) value i = v0 + 2 v1 + 4 v2 belongs to: j = v0 + 2 v2,
+    half as many as its values."""
+    return (i % 2) + 2 * (i // 4)
+
+
 def split_tiled_mmas(dtype):
     """The pair's two MMAs for 16-bit operands: S_w = Q K_w^T at m64n32 (both K-major) and O_w += P V_w at
     m64n256 (V read as MN-major B from the K-major cache tile)."""
@@ -45,11 +51,11 @@ def split_tiled_mmas(dtype):
 @cute.jit
 def sparse_key_bias(bias: cute.Tensor, tScS: cute.Tensor, key0: Int32, end: Int32, mIdx: cute.Tensor,
                     token: Int32):
-    """bias[j] = 0 or -inf for each distinct key j = v0 + 2 v2 of this thread's S values: -inf where the
+    """bias[j] = 0 or -inf for each distinct key j (key_of) of this thread's S values: -inf where the
     key's position key0 + column is past `end` or its index mIdx[token, position] is -1."""
     for i in cutlass.range_constexpr(cute.size(tScS)):
         if const_expr(row_of(i) == 0):
-            j = (i % 2) + 2 * (i // 4)
+            j = key_of(i)
             pos = key0 + tScS[i][1]
             bias[j] = -Float32.inf
             if pos < end:
@@ -62,8 +68,7 @@ def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tens
                         m_base: cute.Tensor, s_max: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32):
     """The online-softmax step of one tile (S in log2 units in acc_s): the rows' maxima over this consumer's
     keys (quad shuffles), exchanged with the other consumer through s_max [64, 2] and BAR_MAX; then the new
-    running max row_m, alpha = exp2(old - new), row_l *= alpha. m_base is the max to exponentiate against:
-    0 for a row that has seen no key yet (its m stays -inf), so that its P is 0, not NaN."""
+    running max row_m, alpha = exp2(old - new), row_l *= alpha, and m_base (move_row_max)."""
     mx = cute.make_rmem_tensor(2, Float32)
     mx[0] = -Float32.inf
     mx[1] = -Float32.inf
@@ -76,24 +81,40 @@ def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tens
             s_max[r0 + 8 * hr, cw] = mx[hr]
     cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
     for hr in cutlass.range_constexpr(2):
-        m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], s_max[r0 + 8 * hr, 1 - cw]))
-        m_base[hr] = m_new
-        if m_new == -Float32.inf:
-            m_base[hr] = 0.0
-        alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-        row_m[hr] = m_new
-        row_l[hr] = row_l[hr] * alpha[hr]
+        move_row_max(row_m, row_l, alpha, m_base, hr,
+                     cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], s_max[r0 + 8 * hr, 1 - cw])))
+
+
+@cute.jit
+def move_row_max(row_m: cute.Tensor, row_l: cute.Tensor, alpha: cute.Tensor, m_base: cute.Tensor,
+                 hr: cutlass.Constexpr[int], m_new: Float32):
+    """Row hr's running max row_m[hr] to m_new: alpha[hr] = exp2(old - new), row_l[hr] *= alpha[hr]. m_base[hr]
+    is the max to exponentiate against: 0 for a row that has seen no key yet (its m stays -inf), so that
+    its P is 0, not NaN."""
+    m_base[hr] = m_new
+    if m_new == -Float32.inf:
+        m_base[hr] = 0.0
+    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
+    row_m[hr] = m_new
+    row_l[hr] = row_l[hr] * alpha[hr]
+
+
+@cute.jit
+def exp_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor):
+    """P = exp2(S - m_base) in place in acc_s (S in log2 units) and in rP's dtype in rP, its rows' sums
+    added into row_l."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        p = cute.arch.exp2(acc_s[i] - m_base[row_of(i)])
+        acc_s[i] = p
+        row_l[row_of(i)] = row_l[row_of(i)] + p
+    rP.store(acc_s.load().to(rP.element_type))
 
 
 @cute.jit
 def publish_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor, tPsP: cute.Tensor):
     """P_w = exp2(S_w - m) (added into row_l) -> smem as this consumer's 32 columns of P, made visible to
     wgmma's async proxy, then BAR_P: after it both halves of P are in smem."""
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        p = cute.arch.exp2(acc_s[i] - m_base[row_of(i)])
-        acc_s[i] = p
-        row_l[row_of(i)] = row_l[row_of(i)] + p
-    rP.store(acc_s.load().to(rP.element_type))
+    exp_p(acc_s, m_base, row_l, rP)
     cute.autovec_copy(rP, tPsP)
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
