@@ -51,6 +51,7 @@ from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
     D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
+from mlaserve.kernels.cutedsl.split_consumers import move_row_max
 
 THREADS = 256
 CONSUMER_THREADS = 128
@@ -222,13 +223,7 @@ class MLADecodeFP8NarrowSm90:
                     m_new = col_m[s]
                     for w in cutlass.range_constexpr(WARPS):
                         m_new = cute.arch.fmax(m_new, sRed[cols[s], w, t % 2])
-                    # a column that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0
-                    m_base[s] = m_new
-                    if m_new == -Float32.inf:
-                        m_base[s] = 0.0
-                    alpha[s] = cute.arch.exp2(col_m[s] - m_base[s])
-                    col_m[s] = m_new
-                    col_l[s] = col_l[s] * alpha[s]
+                    move_row_max(col_m, col_l, alpha, m_base, s, m_new)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     p = cute.arch.exp2(acc_s[i] - m_base[col_slot(i, n)])
                     acc_s[i] = p

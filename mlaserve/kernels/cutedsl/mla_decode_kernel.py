@@ -48,7 +48,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from mlaserve.kernels.cutedsl.split_consumers import finish_rows
+from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, move_row_max, scale_rows
 
 TILE_M = 64          # query rows per CTA: one wgmma M
 TILE_N = 64          # cached tokens per stage: one page
@@ -339,18 +339,8 @@ class MLADecodeSm90:
                 for hr in cutlass.range_constexpr(2):
                     mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
                     mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    # a row that has seen no key yet keeps m = -inf; exponentiate against 0 so it stays 0, not NaN
-                    m_base[hr] = mx[hr]
-                    if mx[hr] == -Float32.inf:
-                        m_base[hr] = 0.0
-                    alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-                    row_m[hr] = mx[hr]
-                    row_l[hr] = row_l[hr] * alpha[hr]
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    p = cute.arch.exp2(acc_s[i] - m_base[(i // 2) % 2])
-                    acc_s[i] = p
-                    row_l[(i // 2) % 2] = row_l[(i // 2) % 2] + p
-                rP.store(acc_s.load().to(self.dtype))
+                    move_row_max(row_m, row_l, alpha, m_base, hr, mx[hr])
+                exp_p(acc_s, m_base, row_l, rP)
                 # -- e: publish P(t), m(t) --
                 cute.autovec_copy(rP, tPsP)
                 if ctid % 4 == 0:
@@ -368,8 +358,7 @@ class MLADecodeSm90:
                     # this consumer's own P V below reads V rows its other threads zeroed
                     cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
                 # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+                scale_rows(acc_o, alpha)
                 _issue(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
                 warpgroup.wait_group(0)
                 kv_pipe.consumer_release(own)
@@ -383,8 +372,7 @@ class MLADecodeSm90:
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
             finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse, barrier_id=BAR_SUM)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * inv_l[(i // 2) % 2]
+            scale_rows(acc_o, inv_l)
             # this consumer's [64, 256] block of the output; a thread's values come in pairs of adjacent
             # columns, which autovec_copy stores as one 4-byte (bf16) / 8-byte (fp32 partial) access
             if const_expr(self.is_split):
@@ -428,15 +416,8 @@ class MLADecodeSm90:
         alpha = cute.make_rmem_tensor(2, Float32)
         m_base = cute.make_rmem_tensor(2, Float32)
         for hr in cutlass.range_constexpr(2):
-            m_new = sMax[r0 + 8 * hr]
-            m_base[hr] = m_new
-            if m_new == -Float32.inf:
-                m_base[hr] = 0.0
-            alpha[hr] = cute.arch.exp2(row_m[hr] - m_base[hr])
-            row_m[hr] = m_new
-            row_l[hr] = row_l[hr] * alpha[hr]
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+            move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
+        scale_rows(acc_o, alpha)
         _issue(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
         warpgroup.wait_group(0)
         kv_pipe.consumer_release(st)
