@@ -167,17 +167,7 @@ class MLADecodeSm90:
             tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp(), mKV, part, (TILE_N // self.cluster, D_QK))
 
-        # S: one warpgroup, M 64 x N 64 (the whole tile); O: one warpgroup, M 64 x N 256 (its half of V),
-        # with P from smem (the other consumer's tile) or from registers (its own)
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (TILE_M, TILE_N))
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (TILE_M, HALF_V))
-        tiled_mma_pv_rs = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (TILE_M, HALF_V), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs = seesaw_tiled_mmas(self.dtype)
 
         @cute.struct
         class SharedStorage:
@@ -278,24 +268,8 @@ class MLADecodeSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             cw = wg - 1                  # owns tiles t % 2 == cw (ring stage cw) and columns 256cw.. of O
             ctid = tidx % 128
-            thr_qk = tiled_mma_qk.get_slice(ctid)
-            thr_pv = tiled_mma_pv.get_slice(ctid)
-            thr_pv_rs = tiled_mma_pv_rs.get_slice(ctid)
-            sVt = _v_view(sKV)                                                         # [512, 64, stages]
-            sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N, NUM_STAGES), (cw, 0, 0))  # [256, 64, stages]
-            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKV))
-            tOrPs = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
-            tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w))
-            tOrV_rs = tiled_mma_pv_rs.make_fragment_B(thr_pv_rs.partition_B(sVt_w))
-            tPsP = thr_qk.partition_C(sP)
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
-            acc_o.fill(0.0)
-            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-            tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V)))
-            rP = cute.make_fragment_like(acc_s, self.dtype)
-            tOrP = cute.make_tensor(rP.iterator, _acc_as_a_operand(rP.layout))   # P(t) as the A operand
+            (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = seesaw_operands(
+                tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, ctid, cw, sQ, sKV, sP)
 
             # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
             # the row), shared with the three other lanes of its quad.
@@ -316,8 +290,8 @@ class MLADecodeSm90:
                 own = _kv_state(t)
                 if t > 0:
                     # -- a, b: the other consumer's tile t - 1 into this half of O --
-                    self._other_tile_pv(cw, _kv_state(t - 1), kv_pipe, sMax, r0, row_m, row_l, acc_o,
-                                        tiled_mma_pv, tOrPs, tOrV)
+                    other_tile_pv(cw, _kv_state(t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
+                                  row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
                 # -- c: S = Q K_t^T --
                 kv_pipe.consumer_wait(own)
                 _issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
@@ -365,8 +339,8 @@ class MLADecodeSm90:
 
             # the last tile is the other consumer's: its P into this half of O
             if n_tiles > 0 and (n_tiles - 1) % 2 != cw:
-                self._other_tile_pv(cw, _kv_state(n_tiles - 1), kv_pipe, sMax, r0, row_m, row_l, acc_o,
-                                    tiled_mma_pv, tOrPs, tOrV)
+                other_tile_pv(cw, _kv_state(n_tiles - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
+                              row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
 
             # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
@@ -382,7 +356,7 @@ class MLADecodeSm90:
                 gO = cute.local_tile(mOut[batch, None, None], (TILE_M, HALF_V), (m_block, cw))
                 rO = cute.make_fragment_like(acc_o, self.dtype)
                 rO.store(acc_o.load().to(self.dtype))
-            tOgO = thr_pv.partition_C(gO)
+            tOgO = tiled_mma_pv.get_slice(ctid).partition_C(gO)
             if m_block * TILE_M + TILE_M <= rows:
                 cute.autovec_copy(rO, tOgO)
             else:
@@ -399,28 +373,68 @@ class MLADecodeSm90:
                         else:
                             mLse[batch, r] = lse[hr]
 
-    @cute.jit
-    def _other_tile_pv(self, cw: Int32, st: pipeline.PipelineState, kv_pipe: pipeline.PipelineTmaAsync, sMax: cute.Tensor,
-                       r0: Int32, row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor,
-                       tiled_mma_pv: cute.TiledMma, tOrPs: cute.Tensor, tOrV: cute.Tensor):
-        """Steps a, b for the other consumer's tile (state st): wait for its P and m, rescale this
-        consumer's O half and row sums to that m, O_w += P V_w, release the stage.
+# -------- the seesaw consumers' pieces (also sparse_mla_seesaw_kernel.py's) --------
 
-        Waited and released here, before this consumer waits for its own next tile: that tile's load
-        can only start once both consumers have released the stage it reuses (this one, two tiles back),
-        so a release held back behind a late load would delay the load after it too."""
-        cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
-        # already complete (its owner waited for it before S); waited here too so that this consumer's
-        # own reads of V are ordered after the TMA by the mbarrier itself
-        kv_pipe.consumer_wait(st)
-        alpha = cute.make_rmem_tensor(2, Float32)
-        m_base = cute.make_rmem_tensor(2, Float32)
-        for hr in cutlass.range_constexpr(2):
-            move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
-        scale_rows(acc_o, alpha)
-        _issue(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
-        warpgroup.wait_group(0)
-        kv_pipe.consumer_release(st)
+def seesaw_tiled_mmas(dtype):
+    """S: one warpgroup, M 64 x N 64 (the whole tile); O: one warpgroup, M 64 x N 256 (its half of V), with P
+    from smem (the other consumer's tile) or from registers (its own) -> (qk, pv, pv_rs)."""
+    qk = sm90_utils.make_trivial_tiled_mma(dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                                           Float32, (1, 1, 1), (TILE_M, TILE_N))
+    pv = sm90_utils.make_trivial_tiled_mma(dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+                                           Float32, (1, 1, 1), (TILE_M, HALF_V))
+    pv_rs = sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1),
+        (TILE_M, HALF_V), a_source=warpgroup.OperandSource.RMEM)
+    return qk, pv, pv_rs
+
+
+def seesaw_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tiled_mma_pv_rs: cute.TiledMma,
+                    ctid, cw, sQ: cute.Tensor, sKV: cute.Tensor, sP: cute.Tensor):
+    """Consumer cw's wgmma operands over the ring (Q [64, 576], KV [64, 576, stages], P [64, 64]) and its
+    accumulators (O zeroed), traced inline: (tSrQ, tSrK, tOrPs (P from smem), tOrV, tOrV_rs (V for P from
+    registers), tOrP (P(t) in registers as the A operand), tPsP, acc_s, acc_o, tScS, tOcO, rP)."""
+    thr_qk = tiled_mma_qk.get_slice(ctid)
+    thr_pv = tiled_mma_pv.get_slice(ctid)
+    thr_pv_rs = tiled_mma_pv_rs.get_slice(ctid)
+    sVt_w = cute.local_tile(_v_view(sKV), (HALF_V, TILE_N, NUM_STAGES), (cw, 0, 0))  # [256, 64, stages]
+    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+    acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
+    acc_o.fill(0.0)
+    rP = cute.make_fragment_like(acc_s, sQ.element_type)
+    return (tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+            tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKV)),
+            tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP)),
+            tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w)),
+            tiled_mma_pv_rs.make_fragment_B(thr_pv_rs.partition_B(sVt_w)),
+            cute.make_tensor(rP.iterator, _acc_as_a_operand(rP.layout)),
+            thr_qk.partition_C(sP), acc_s, acc_o,
+            thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))),
+            thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V))), rP)
+
+
+@cute.jit
+def other_tile_pv(cw: Int32, st: pipeline.PipelineState, wait_stage, release_stage, sMax: cute.Tensor, r0: Int32,
+                  row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma,
+                  tOrPs: cute.Tensor, tOrV: cute.Tensor):
+    """Steps a, b for the other consumer's tile (state st): wait for its P and m, rescale this consumer's
+    O half and row sums to that m, O_w += P V_w, release the stage (`wait_stage(st)`, `release_stage(st)`:
+    the kernel's own pipeline calls).
+
+    Waited and released here, before this consumer waits for its own next tile: that tile's load can only
+    start once both consumers have released the stage it reuses (this one, two tiles back), so a release
+    held back behind a late load would delay the load after it too. The stage is already complete (its
+    owner waited for it before S); waited here too so that this consumer's own reads of V are ordered after
+    the load by the barrier itself."""
+    cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
+    wait_stage(st)
+    alpha = cute.make_rmem_tensor(2, Float32)
+    m_base = cute.make_rmem_tensor(2, Float32)
+    for hr in cutlass.range_constexpr(2):
+        move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
+    scale_rows(acc_o, alpha)
+    _issue(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
+    warpgroup.wait_group(0)
+    release_stage(st)
 
 
 @cute.jit

@@ -13,27 +13,27 @@ P(t) and the running max m(t) through smem, and both consumers add P(t) V_t into
 - the empty barrier counts one lane per consumer warp (PipelineCpAsync arrives per calling thread);
 - the producer warpgroup keeps 40 registers for the gather's address math, so the consumers get 232
   (128 * 40 + 256 * 232 = 384 * 168), not the dense kernel's 240.
-The row finish (whole row sums, 1 / sum, lse) and the epilogue are split_consumers.py's finish_rows (with
-this kernel's own barrier BAR_SUM: ids 1 and 2 are the "P ready" barriers) and store_sparse.
+The seesaw's MMAs, operands and other-tile step are mla_decode_kernel.py's (seesaw_tiled_mmas,
+seesaw_operands, other_tile_pv with this kernel's stage wait and release); the row finish (whole row sums,
+1 / sum, lse) and the epilogue are split_consumers.py's finish_rows (with the seesaw's barrier BAR_SUM: ids 1
+and 2 are the "P ready" barriers) and store_sparse.
 """
+
+import functools
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from mlaserve.kernels.cutedsl.mla_decode_kernel import _acc_as_a_operand, _issue, _kv_state
+from mlaserve.kernels.cutedsl.mla_decode_kernel import (
+    BAR_P_READY, BAR_SUM, _issue, _kv_state, other_tile_pv, seesaw_operands, seesaw_tiled_mmas)
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
-    CONSUMER_REGS, NUM_STAGES, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, _v_view, consumer_rows, cta_coords,
-    load_q, split_range, wait_gathered, wait_q)
+    CONSUMER_REGS, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, consumer_rows, cta_coords, load_q, split_range,
+    wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, HALF_V, exp_p, finish_rows, key_of, move_row_max, row_of, scale_rows, sparse_key_bias,
-    store_sparse)
-
-BAR_P_READY = 1       # + w: consumer w arrives once P and m of its tile are in smem (0 is __syncthreads)
-BAR_SUM = 3           # both consumers: row sums exchanged at the end
+    CONSUMER_THREADS, exp_p, finish_rows, key_of, move_row_max, row_of, scale_rows, sparse_key_bias, store_sparse)
 
 
 class SparseMLASeesawSm90(SparseMLASm90):
@@ -43,18 +43,8 @@ class SparseMLASeesawSm90(SparseMLASm90):
     ROW_MAX_COLS = 1      # sMax [64]: the running max m(t) its owner published with P(t)
 
     def _tiled_mmas(self) -> tuple:
-        """S: one warpgroup, M 64 x N 64 (the whole tile); O: one warpgroup, M 64 x N 256 (its half of V),
-        with P from smem (the other consumer's tile) or from registers (its own)."""
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (TILE_M, TILE_N))
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (TILE_M, HALF_V))
-        tiled_mma_pv_rs = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (TILE_M, HALF_V), a_source=warpgroup.OperandSource.RMEM)
-        return tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs
+        """The dense seesaw kernel's three MMAs (mla_decode_kernel.seesaw_tiled_mmas)."""
+        return seesaw_tiled_mmas(self.dtype)
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
@@ -78,29 +68,17 @@ class SparseMLASeesawSm90(SparseMLASm90):
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             cw = wg - 1                  # owns tiles t % 2 == cw (ring stage cw) and columns 256cw.. of O
             ctid = tidx % 128
-            thr_qk = tiled_mma_qk.get_slice(ctid)
-            thr_pv = tiled_mma_pv.get_slice(ctid)
-            thr_pv_rs = tiled_mma_pv_rs.get_slice(ctid)
-            sVt_w = cute.local_tile(_v_view(sKV), (HALF_V, TILE_N, NUM_STAGES), (cw, 0, 0))  # [256, 64, stages]
-            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKV))
-            tOrPs = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP))
-            tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w))
-            tOrV_rs = tiled_mma_pv_rs.make_fragment_B(thr_pv_rs.partition_B(sVt_w))
-            tPsP = thr_qk.partition_C(sP)
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
-            acc_o.fill(0.0)
-            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-            tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V)))
-            rP = cute.make_fragment_like(acc_s, self.dtype)
-            tOrP = cute.make_tensor(rP.iterator, _acc_as_a_operand(rP.layout))   # P(t) as the A operand
+            (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = seesaw_operands(
+                tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, ctid, cw, sQ, sKV, sP)
             n_vals = cute.size(acc_s)
             bias = cute.make_rmem_tensor(n_vals // 2, Float32)   # 0 or -inf per distinct key (key_of) of this thread
 
             # row_m: the max O_w and row_l are scaled to; row_l: this thread's part of the sums of its own tiles' P
             r0, row_m, row_l = consumer_rows(ctid)
 
+            # the gathered stage: waited with the proxy fence, released by one lane per consumer warp
+            wait_stage = functools.partial(wait_gathered, kv_pipe)
+            release_stage = functools.partial(_release_by_lane0, kv_pipe)
             wait_q(q_pipe)
             for t in cutlass.range(cw, n_tiles, 2, unroll=1):
                 own = _kv_state(t)
@@ -108,8 +86,8 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 sparse_key_bias(bias, tScS, start + t * TILE_N, end, mIdx, token)
                 if t > 0:
                     # -- a, b: the other consumer's tile t - 1 into this half of O --
-                    self._other_tile_pv(cw, _kv_state(t - 1), kv_pipe, sMax, r0, row_m, row_l, acc_o,
-                                        tiled_mma_pv, tOrPs, tOrV)
+                    other_tile_pv(cw, _kv_state(t - 1), wait_stage, release_stage, sMax, r0, row_m, row_l, acc_o,
+                                  tiled_mma_pv, tOrPs, tOrV)
                 # -- c: S = Q K_t^T --
                 wait_gathered(kv_pipe, own)
                 _issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
@@ -139,13 +117,12 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 scale_rows(acc_o, alpha)
                 _issue(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
                 warpgroup.wait_group(0)
-                if cute.arch.lane_idx() == 0:
-                    kv_pipe.consumer_release(own)
+                release_stage(own)
 
             # the last tile is the other consumer's: its P into this half of O
             if n_tiles > 0 and (n_tiles - 1) % 2 != cw:
-                self._other_tile_pv(cw, _kv_state(n_tiles - 1), kv_pipe, sMax, r0, row_m, row_l, acc_o,
-                                    tiled_mma_pv, tOrPs, tOrV)
+                other_tile_pv(cw, _kv_state(n_tiles - 1), wait_stage, release_stage, sMax, r0, row_m, row_l,
+                              acc_o, tiled_mma_pv, tOrPs, tOrV)
 
             # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
@@ -154,20 +131,9 @@ class SparseMLASeesawSm90(SparseMLASm90):
             store_sparse(acc_o, inv_l, lse, tOcO, r0, cw, ctid, m_block * TILE_M, h, token, split, mOut, mLse,
                          mPO, mPL, self.is_split)
 
-    @cute.jit
-    def _other_tile_pv(self, cw: Int32, st: pipeline.PipelineState, kv_pipe: pipeline.PipelineCpAsync,
-                       sMax: cute.Tensor, r0: Int32, row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor,
-                       tiled_mma_pv: cute.TiledMma, tOrPs: cute.Tensor, tOrV: cute.Tensor):
-        """Steps a, b for the other consumer's tile (state st), as in mla_decode_kernel.py: wait for its P
-        and m, rescale this consumer's O half and row sums to that m, O_w += P V_w, release the stage."""
-        cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
-        wait_gathered(kv_pipe, st)
-        alpha = cute.make_rmem_tensor(2, Float32)
-        m_base = cute.make_rmem_tensor(2, Float32)
-        for hr in cutlass.range_constexpr(2):
-            move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
-        scale_rows(acc_o, alpha)
-        _issue(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
-        warpgroup.wait_group(0)
-        if cute.arch.lane_idx() == 0:
-            kv_pipe.consumer_release(st)
+
+@cute.jit
+def _release_by_lane0(kv_pipe: pipeline.PipelineCpAsync, st: pipeline.PipelineState):
+    """A gathered stage's release: one lane per consumer warp (the empty barrier counts 8 arrivals)."""
+    if cute.arch.lane_idx() == 0:
+        kv_pipe.consumer_release(st)
