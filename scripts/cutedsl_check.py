@@ -6,8 +6,6 @@
                                                # with CUTE_DSL_ARCH=sm_90a), print compile seconds
     python scripts/cutedsl_check.py --fp8      # the FP8-KV kernel instead: its shapes, then FP8 vs bf16
                                                # timings (--fp8 --quick, --fp8 --compile as above)
-    python scripts/cutedsl_check.py --splits   # small batches (b 1/4/16, s_k 32768): time every KV split
-                                               # count around the planner's (CUDA-graph replay), best last
     python scripts/cutedsl_check.py --clusters # shapes of several 64-row tiles: time each cluster size
                                                # (CTAs sharing every page's load by TMA multicast)
 
@@ -118,31 +116,6 @@ def bench() -> None:
         print(line, flush=True)
 
 
-def sweep_splits() -> None:
-    """Time the small-batch shapes at split counts that put 0.5 .. 3 waves of CTAs on the SMs, beside the
-    planner's choice, with CUDA-graph replay (launch overhead would hide tens of microseconds here)."""
-    import triton.testing
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for h in (128, 64, 16):
-        for b in (1, 4, 16):
-            s_k = 32768
-            q, kv, table, seqlens = make_case([s_k] * b, 1, h, torch.bfloat16, 0)
-            programs = b * math.ceil(h / 64)
-            chosen = cd.choose_num_splits(b, 1, h, table.shape[1], 64, q.device)
-            counts = {chosen} | {max(1, min(128, round(k * sms / programs))) for k in (0.5, 0.75, 1, 1.5, 2, 3)}
-            counts |= {n for n in range(1, 129) if programs * n in (sms - 4, sms, 2 * sms)}
-            times = {}
-            for n in sorted(counts):
-                plan = cd.plan_mla_decode(b, 1, h, 512, table.shape[1], 64, False, q.device, num_splits=n)
-                cd.mla_decode(q, kv, table, seqlens, SCALE, plan=plan)
-                times[n] = triton.testing.do_bench_cudagraph(
-                    lambda: cd.mla_decode(q, kv, table, seqlens, SCALE, plan=plan), rep=100) * 1e3
-            best = min(times, key=times.get)
-            print(f"splits b{b} h{h} s_k{s_k} programs {programs}: "
-                  + "  ".join(f"{n}:{t:.1f}" for n, t in sorted(times.items()))
-                  + f"  | planner {chosen} {times[chosen]:.1f} us, best {best} {times[best]:.1f} us", flush=True)
-
-
 def sweep_clusters() -> None:
     """The multi-row-tile shapes with every cluster size that divides their row tiles (forced in place of
     mla_decode.cluster_size), each first checked against the reference, then timed by CUDA-graph replay."""
@@ -171,6 +144,9 @@ def sweep_clusters() -> None:
             print(line, flush=True)
     finally:
         cd.cluster_size = chosen_size
+
+
+# (the small-batch split-count sweep is scripts/split_sweep.py, for this kernel and the Triton one)
 
 
 # -- FP8 KV (uint8 [pages, 64, 656]): the kernel in mla_decode_fp8_kernel.py --
@@ -266,12 +242,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fp8", action="store_true")
-    ap.add_argument("--splits", action="store_true")
     ap.add_argument("--clusters", action="store_true")
     args = ap.parse_args()
-    if args.splits:
-        sweep_splits()
-        return 0
     if args.clusters:
         sweep_clusters()
         return 0

@@ -23,11 +23,14 @@
 #   phase "cutedsl"   scripts/cutedsl_check.py and scripts/cutedsl_sparse_check.py (the CuTe DSL kernels against
 #                     the reference, then their timings) into cutedsl.log / cutedsl_sparse.log; needs the DSL on
 #                     the machine (phases cutedsl1 + cutedsl2 below); T_CUTEDSL 150 each, CUTEDSL_ARGS passed on
-#                     (CUTEDSL_SPARSE_ARGS, when set, to the sparse script instead: e.g. CUTEDSL_ARGS=--splits
-#                     CUTEDSL_SPARSE_ARGS="" sweeps dense split counts and runs every sparse check)
+#                     (CUTEDSL_SPARSE_ARGS, when set, to the sparse script instead: e.g. CUTEDSL_ARGS=--clusters
+#                     CUTEDSL_SPARSE_ARGS="" times the dense cluster sizes and runs every sparse check)
+#   phase "splits"    scripts/split_sweep.py (small-batch KV split counts by CUDA-graph replay) for triton, then for
+#                     cutedsl where the DSL is on the machine, into splits.log; T_SPLITS 120 each
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
 # Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log cutedsl_sparse.log
+#   splits.log
 #   and with tune: tune.log tune_mla_decode.json tune_sparse.json
 # The last thing printed is a short table (phases, then the headline kernel shapes).
 
@@ -145,6 +148,18 @@ if has_phase cutedsl; then
   else
     say "== cutedsl-check: the DSL is not on this machine (phases cutedsl1, cutedsl2 first)"
   fi
+fi
+
+# -- small-batch split-count sweeps (is the planner's pick the fastest?) --
+if has_phase splits; then
+  for backend in triton cutedsl; do
+    if [ "$backend" = cutedsl ] && ! python3 -c "import cutlass" >/dev/null 2>&1; then
+      say "== split-sweep-cutedsl: the DSL is not on this machine (phases cutedsl1, cutedsl2 first)"; continue
+    fi
+    run_phase "split-sweep-$backend" "$(limit "${T_SPLITS:-120}")" "$OUT/splits.log" \
+      python3 scripts/split_sweep.py --backend "$backend"
+    grep "^splits $backend" "$OUT/splits.log" | tee -a "$LOG"
+  done
 fi
 
 # -- pytest tests/gpu --

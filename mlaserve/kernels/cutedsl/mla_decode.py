@@ -102,7 +102,7 @@ def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, 
     come near filling the SMs, else as many as keep all CTAs in one wave (one CTA fits an SM: 227 KB of
     smem), every split at least 256 tokens of the block table's capacity.
 
-    One full wave measured best on the H200 (scripts/cutedsl_check.py --splits, b 1/4/16 x h 16/64/128 at
+    One full wave measured best on the H200 (scripts/split_sweep.py --backend cutedsl, b 1/4/16 x h 16/64/128 at
     s_k 32768): e.g. b 4 h 128 87.0 us at 16 splits (128 CTAs) against 90.7 us at the 15 of the Triton
     kernel's rule (mla_decode_plan.choose_num_splits), which stops at 85% of the best wave efficiency.
     """
