@@ -102,25 +102,12 @@ class MLADecodeFP8Sm90:
 
         tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
 
-        # the 1024-aligned buffers first (all multiples of 1 KB: no padding), the small arrays after them
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
-            sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
-            row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = fp8_split_storage(sQ_layout, sKV_layout, sPE_layout, sRaw_layout, sP_layout)
         grid = (cute.ceil_div(rows, TILE_M), num_splits, batch)
         self.kernel(tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
                     s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sPE_layout, sP_layout,
                     sRaw_layout, tiled_mma_qk, tiled_mma_pv).launch(
-            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+            grid=grid, block=[THREADS, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_raw: cute.CopyAtom, mRaw_tma: cute.Tensor,
@@ -293,6 +280,25 @@ def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, ou
         tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)), (TILE_N, D_PE))
     return ((mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout),
             (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma))
+
+
+def fp8_split_storage(sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+                      sPE_layout: cute.ComposedLayout, sRaw_layout: cute.Layout, sP_layout: cute.ComposedLayout):
+    """The shared storage of the FP8 kernels with the split consumer pair (this one, the FP8 sparse MLA):
+    the 1024-aligned buffers first (all multiples of 1 KB: no padding), the small arrays after them."""
+    @cute.struct
+    class SharedStorage:
+        sQ: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sQ_layout)], 1024]
+        sKV: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sKV_layout)], 1024]
+        sPE: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sPE_layout)], 1024]
+        sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sP_layout)], 1024]
+        raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
+        q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+        kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
+        row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
+
+    return SharedStorage
 
 
 def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, sQ_layout: cute.ComposedLayout,

@@ -48,41 +48,15 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.seesaw_consumers import (
+    BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
+    other_tile_pv, seesaw_operands, seesaw_tiled_mmas)
 from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, move_row_max, scale_rows
 
-TILE_M = 64          # query rows per CTA: one wgmma M
-TILE_N = 64          # cached tokens per stage: one page
-D_QK = 576
-D_V = 512
-HALF_V = D_V // 2     # columns of O per consumer
-NUM_STAGES = 2        # = the number of consumers: consumer w's tiles always sit in stage w
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
-BAR_P_READY = 1       # + w: consumer w arrives once P and m of its tile are in smem (0 is __syncthreads)
-BAR_SUM = 3           # both consumers: row sums exchanged at the end
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
-CONSUMER_THREADS = 256
-
-
-def _v_view(s_kv: cute.Tensor) -> cute.Tensor:
-    """The KV ring [64 keys, 576, stages] seen as V^T [512, 64 keys, stages] without moving data (MN-major B).
-
-    Composition maps (column, key, stage) to the ring's own (key, column, stage) coordinates; the stage
-    stride is the ring's 64 * 576, not 512 * 64.
-    """
-    return cute.composition(s_kv, cute.make_layout((D_V, TILE_N, NUM_STAGES), stride=(TILE_N, 1, TILE_N * D_QK)))
-
-
-def _acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
-    """The register layout of an m64nN accumulator, ((2, 2, N/8), 1, 1), regrouped as the A operand of
-    k16 wgmmas, ((2, 2, 2), 1, (N/16, 1)): each k-block of 16 keys is two of the accumulator's 8-column
-    groups (the accumulator's and the A fragment's thread/value maps agree for 16-bit types)."""
-    d = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
-    return cute.make_layout(
-        ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], (d.shape[0][2][1], d.shape[2])),
-        stride=((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1],
-                (d.stride[0][2][1], d.stride[2])))
 
 
 def page_split(seqlen: Int32, split: Int32, num_splits: Int32):
@@ -106,11 +80,6 @@ def visible_keys(seqlen: Int32, s_q: Int32, h: Int32, row: Int32, causal: bool) 
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
     """The smallest number of keys any row sees (tiles that end before it need no mask)."""
     return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
-
-
-def _kv_state(t: Int32) -> pipeline.PipelineState:
-    """The consumer pipeline state of tile t: stage t % 2, phase flips every NUM_STAGES tiles."""
-    return pipeline.PipelineState(NUM_STAGES, t, t % NUM_STAGES, (t // NUM_STAGES) % 2)
 
 
 class MLADecodeSm90:
@@ -287,14 +256,14 @@ class MLADecodeSm90:
             q_pipe.consumer_wait(q_state)
             for t in cutlass.range(cw, n_tiles, 2, unroll=1):
                 tok0 = start + t * TILE_N
-                own = _kv_state(t)
+                own = tile_state(t)
                 if t > 0:
                     # -- a, b: the other consumer's tile t - 1 into this half of O --
-                    other_tile_pv(cw, _kv_state(t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
+                    other_tile_pv(cw, tile_state(t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
                                   row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
                 # -- c: S = Q K_t^T --
                 kv_pipe.consumer_wait(own)
-                _issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
                 warpgroup.wait_group(0)
                 # -- d: mask, running max, P --
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -333,13 +302,13 @@ class MLADecodeSm90:
                     cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
                 # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
                 scale_rows(acc_o, alpha)
-                _issue(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
+                issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
                 warpgroup.wait_group(0)
                 kv_pipe.consumer_release(own)
 
             # the last tile is the other consumer's: its P into this half of O
             if n_tiles > 0 and (n_tiles - 1) % 2 != cw:
-                other_tile_pv(cw, _kv_state(n_tiles - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
+                other_tile_pv(cw, tile_state(n_tiles - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
                               row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
 
             # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
@@ -372,80 +341,3 @@ class MLADecodeSm90:
                             mPL[batch, split, r] = lse[hr]
                         else:
                             mLse[batch, r] = lse[hr]
-
-# -------- the seesaw consumers' pieces (also sparse_mla_seesaw_kernel.py's) --------
-
-def seesaw_tiled_mmas(dtype):
-    """S: one warpgroup, M 64 x N 64 (the whole tile); O: one warpgroup, M 64 x N 256 (its half of V), with P
-    from smem (the other consumer's tile) or from registers (its own) -> (qk, pv, pv_rs)."""
-    qk = sm90_utils.make_trivial_tiled_mma(dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-                                           Float32, (1, 1, 1), (TILE_M, TILE_N))
-    pv = sm90_utils.make_trivial_tiled_mma(dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-                                           Float32, (1, 1, 1), (TILE_M, HALF_V))
-    pv_rs = sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1),
-        (TILE_M, HALF_V), a_source=warpgroup.OperandSource.RMEM)
-    return qk, pv, pv_rs
-
-
-def seesaw_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tiled_mma_pv_rs: cute.TiledMma,
-                    ctid, cw, sQ: cute.Tensor, sKV: cute.Tensor, sP: cute.Tensor):
-    """Consumer cw's wgmma operands over the ring (Q [64, 576], KV [64, 576, stages], P [64, 64]) and its
-    accumulators (O zeroed), traced inline: (tSrQ, tSrK, tOrPs (P from smem), tOrV, tOrV_rs (V for P from
-    registers), tOrP (P(t) in registers as the A operand), tPsP, acc_s, acc_o, tScS, tOcO, rP)."""
-    thr_qk = tiled_mma_qk.get_slice(ctid)
-    thr_pv = tiled_mma_pv.get_slice(ctid)
-    thr_pv_rs = tiled_mma_pv_rs.get_slice(ctid)
-    sVt_w = cute.local_tile(_v_view(sKV), (HALF_V, TILE_N, NUM_STAGES), (cw, 0, 0))  # [256, 64, stages]
-    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
-    acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
-    acc_o.fill(0.0)
-    rP = cute.make_fragment_like(acc_s, sQ.element_type)
-    return (tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ)),
-            tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKV)),
-            tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP)),
-            tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w)),
-            tiled_mma_pv_rs.make_fragment_B(thr_pv_rs.partition_B(sVt_w)),
-            cute.make_tensor(rP.iterator, _acc_as_a_operand(rP.layout)),
-            thr_qk.partition_C(sP), acc_s, acc_o,
-            thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))),
-            thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V))), rP)
-
-
-@cute.jit
-def other_tile_pv(cw: Int32, st: pipeline.PipelineState, wait_stage, release_stage, sMax: cute.Tensor, r0: Int32,
-                  row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                  tOrPs: cute.Tensor, tOrV: cute.Tensor):
-    """Steps a, b for the other consumer's tile (state st): wait for its P and m, rescale this consumer's
-    O half and row sums to that m, O_w += P V_w, release the stage (`wait_stage(st)`, `release_stage(st)`:
-    the kernel's own pipeline calls).
-
-    Waited and released here, before this consumer waits for its own next tile: that tile's load can only
-    start once both consumers have released the stage it reuses (this one, two tiles back), so a release
-    held back behind a late load would delay the load after it too. The stage is already complete (its
-    owner waited for it before S); waited here too so that this consumer's own reads of V are ordered after
-    the load by the barrier itself."""
-    cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
-    wait_stage(st)
-    alpha = cute.make_rmem_tensor(2, Float32)
-    m_base = cute.make_rmem_tensor(2, Float32)
-    for hr in cutlass.range_constexpr(2):
-        move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
-    scale_rows(acc_o, alpha)
-    _issue(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
-    warpgroup.wait_group(0)
-    release_stage(st)
-
-
-@cute.jit
-def _issue(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-           zero_init: cutlass.Constexpr[bool]):
-    """acc (+)= A B over all k-blocks as one committed wgmma group, not waited for (the caller waits
-    with warpgroup.wait_group before it reads acc or reuses the operands' smem)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()

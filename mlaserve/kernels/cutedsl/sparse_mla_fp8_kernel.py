@@ -51,7 +51,7 @@ import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _pv_gemm, _qk_gemm
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _pv_gemm, _qk_gemm, fp8_split_storage
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     D_QK, D_V, HALF_N, PRODUCER_THREADS, ROW_PASSES, ROWS_PER_PASS, THREADS, TILE_M, TILE_N, consumer_rows, cp16,
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
@@ -95,22 +95,10 @@ class SparseMLAFP8Sm90:
                                        stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
         tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
-            sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
-            row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = fp8_split_storage(sQ_layout, sKV_layout, sPE_layout, sRaw_layout, sP_layout)
         self.kernel(tma_q, mQ_tma, mKV, mIdx, mOut, mLse, mPO, mPL, h, m_blocks, split_len, topk, scale_log2,
                     sQ_layout, sKV_layout, sPE_layout, sP_layout, sRaw_layout, tiled_mma_qk, tiled_mma_pv).launch(
-            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+            grid=grid, block=[THREADS, 1, 1], smem=self.shared_storage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,

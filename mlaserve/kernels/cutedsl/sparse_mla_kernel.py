@@ -54,6 +54,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.seesaw_consumers import v_view
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, key_of, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias,
     split_tiled_mmas, store_sparse)
@@ -79,11 +80,6 @@ COL_PASSES = CHUNKS_PER_ROW // 8           # 9: one per 64-column swizzle atom
 # tiled down the 64 rows first (8 atoms = one 64-column block), then along the 9 column blocks, then stages.
 ATOM_BLOCK = TILE_N * 64                   # values per 64-column block of a stage
 STAGE_ELEMS = TILE_N * D_QK
-
-
-def _v_view(s_kv: cute.Tensor) -> cute.Tensor:
-    """The KV ring [64 keys, 576, stages] seen as V^T [512, 64 keys, stages] without moving data (MN-major B)."""
-    return cute.composition(s_kv, cute.make_layout((D_V, TILE_N, NUM_STAGES), stride=(TILE_N, 1, TILE_N * D_QK)))
 
 
 class SparseMLASm90:
@@ -154,7 +150,7 @@ class SparseMLASm90:
             thr_qk = tiled_mma_qk.get_slice(ctid)
             thr_pv = tiled_mma_pv.get_slice(ctid)
             sK_w = cute.local_tile(sKV, (HALF_N, D_QK, NUM_STAGES), (cw, 0, 0))
-            sVt = _v_view(sKV)                                                         # [512, 64, stages]
+            sVt = v_view(sKV)                                                         # [512, 64, stages]
             sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N, NUM_STAGES), (cw, 0, 0))  # [256, 64, stages]
             sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
             tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))

@@ -13,7 +13,7 @@ P(t) and the running max m(t) through smem, and both consumers add P(t) V_t into
 - the empty barrier counts one lane per consumer warp (PipelineCpAsync arrives per calling thread);
 - the producer warpgroup keeps 40 registers for the gather's address math, so the consumers get 232
   (128 * 40 + 256 * 232 = 384 * 168), not the dense kernel's 240.
-The seesaw's MMAs, operands and other-tile step are mla_decode_kernel.py's (seesaw_tiled_mmas,
+The seesaw's MMAs, operands and other-tile step are seesaw_consumers.py's (seesaw_tiled_mmas,
 seesaw_operands, other_tile_pv with this kernel's stage wait and release); the row finish (whole row sums,
 1 / sum, lse) and the epilogue are split_consumers.py's finish_rows (with the seesaw's barrier BAR_SUM: ids 1
 and 2 are the "P ready" barriers) and store_sparse.
@@ -27,8 +27,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from mlaserve.kernels.cutedsl.mla_decode_kernel import (
-    BAR_P_READY, BAR_SUM, _issue, _kv_state, other_tile_pv, seesaw_operands, seesaw_tiled_mmas)
+from mlaserve.kernels.cutedsl.seesaw_consumers import (
+    BAR_P_READY, BAR_SUM, issue_mma, other_tile_pv, seesaw_operands, seesaw_tiled_mmas, tile_state)
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     CONSUMER_REGS, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, consumer_rows, cta_coords, load_q, split_range,
     wait_gathered, wait_q)
@@ -81,16 +81,16 @@ class SparseMLASeesawSm90(SparseMLASm90):
             release_stage = functools.partial(_release_by_lane0, kv_pipe)
             wait_q(q_pipe)
             for t in cutlass.range(cw, n_tiles, 2, unroll=1):
-                own = _kv_state(t)
+                own = tile_state(t)
                 # this tile's key mask, read before any wait (the indices are in L1/L2: the gather read them)
                 sparse_key_bias(bias, tScS, start + t * TILE_N, end, mIdx, token)
                 if t > 0:
                     # -- a, b: the other consumer's tile t - 1 into this half of O --
-                    other_tile_pv(cw, _kv_state(t - 1), wait_stage, release_stage, sMax, r0, row_m, row_l, acc_o,
+                    other_tile_pv(cw, tile_state(t - 1), wait_stage, release_stage, sMax, r0, row_m, row_l, acc_o,
                                   tiled_mma_pv, tOrPs, tOrV)
                 # -- c: S = Q K_t^T --
                 wait_gathered(kv_pipe, own)
-                _issue(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
                 warpgroup.wait_group(0)
                 # -- d: mask, running max, P --
                 mx = cute.make_rmem_tensor(2, Float32)
@@ -115,13 +115,13 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
                 # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
                 scale_rows(acc_o, alpha)
-                _issue(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
+                issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
                 warpgroup.wait_group(0)
                 release_stage(own)
 
             # the last tile is the other consumer's: its P into this half of O
             if n_tiles > 0 and (n_tiles - 1) % 2 != cw:
-                other_tile_pv(cw, _kv_state(n_tiles - 1), wait_stage, release_stage, sMax, r0, row_m, row_l,
+                other_tile_pv(cw, tile_state(n_tiles - 1), wait_stage, release_stage, sMax, r0, row_m, row_l,
                               acc_o, tiled_mma_pv, tOrPs, tOrV)
 
             # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
