@@ -23,8 +23,8 @@ from mlaserve.attention.batch import BatchLayout, ForwardMode
 from mlaserve.attention.torch_backend import TorchBackend, _ragged_mha
 from mlaserve.kernels import fp8_format, reference
 from mlaserve.kernels.triton import mla_decode as _  # noqa: F401  (the package resolves the op lazily)
-from mlaserve.kernels.triton.mla_decode import (MLADecodeConfig, choose_num_splits, mla_decode,
-                                                plan_mla_decode, workspace_numel)
+from mlaserve.kernels.triton.mla_decode import (MLADecodeConfig, choose_num_splits, full_wave_splits,
+                                                mla_decode, plan_mla_decode, workspace_numel)
 
 POISON_PAGE = 1 << 20
 TOL = {torch.float16: dict(atol=3e-3, rtol=1e-2), torch.float32: dict(atol=2e-5, rtol=1e-4)}
@@ -188,6 +188,24 @@ def test_num_splits_from_shapes_only():
     assert choose_num_splits(1, 1, 16, 2, 64, cpu, cfg) == 1                     # 128 tokens: nothing to split
     assert choose_num_splits(1, 1, 16, 8, 64, cpu, cfg) <= 2                     # 512 tokens: 2 splits at most
     assert choose_num_splits(1, 1, 16, 512, 64, cpu, cfg) == many                # deterministic
+
+
+@pytest.mark.parametrize("programs, units, min_units, want", [
+    (1, 512, 4, 128),   # 512 KV tiles: 128 splits of 4 fill 128 of the 132 SMs
+    (2, 512, 4, 64),    # 66 would fit too, but 512 tiles cut into 66 runs of 8 leave 2 splits empty
+    (4, 512, 4, 32),
+    (8, 512, 4, 16),
+    (32, 512, 4, 4),
+    (1, 512, 8, 64),    # the floor on a split's length caps the count
+    (1, 6, 4, 1),       # 6 tiles cannot make two splits of >= 4
+    (106, 512, 4, 1),   # >= 80% of the SMs busy without splitting
+    (0, 512, 4, 1),
+])
+def test_full_wave_splits(programs, units, min_units, want):
+    n = full_wave_splits(programs, 132, units, min_units)
+    assert n == want
+    per = -(-units // n)
+    assert n == 1 or (programs * n <= 132 and per >= min_units and -(-units // per) == n)   # no empty split
 
 
 def test_plan_shares_a_workspace_and_checks_it():

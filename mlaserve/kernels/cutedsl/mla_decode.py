@@ -28,7 +28,7 @@ import triton
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_pointers
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
-from mlaserve.kernels.triton.mla_decode_plan import _MAX_SPLITS, _num_sms
+from mlaserve.kernels.triton.mla_decode_plan import _num_sms, full_wave_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
 
 TILE_M = 64
@@ -98,20 +98,19 @@ def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
 
 def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, device: torch.device,
                       config: MLADecodeConfig = CONFIG) -> int:
-    """KV splits per request from shapes only (CUDA-graph safe): one split when the batch's 64-row tiles
-    come near filling the SMs, else as many as keep all CTAs in one wave (one CTA fits an SM: 227 KB of
-    smem), every split at least 256 tokens of the block table's capacity.
+    """KV splits per request from shapes only (CUDA-graph safe): `full_wave_splits` over pages (one CTA fits
+    an SM: 227 KB of smem), every split at least 4 pages of the block table's capacity for requests of <= 32
+    query rows and 8 pages for the 64-row tiles.
 
-    One full wave measured best on the H200 (scripts/split_sweep.py --backend cutedsl, b 1/4/16 x h 16/64/128 at
-    s_k 32768): e.g. b 4 h 128 87.0 us at 16 splits (128 CTAs) against 90.7 us at the 15 of the Triton
-    kernel's rule (mla_decode_plan.choose_num_splits), which stops at 85% of the best wave efficiency.
+    scripts/split_sweep.py --backend cutedsl on the H200 (b 1/4/16 x h 16/64/128, s_k 32768, bench/NOTES.md
+    item 22): this count, or one with the same runs of pages, was the fastest at all nine shapes; e.g. b 1
+    h 128 took 40.0 us at 64 splits of 8 pages and 42.8 us at the 66 of the previous rule (as many as fit
+    one wave: 64 runs of 8 pages and 2 empty splits); b 1 h 64 34.1 us at 8 pages a split, 36.5 at 4.
     """
-    programs = b * triton.cdiv(s_q * h, TILE_M)
-    sms = _num_sms(device)
-    if programs == 0 or programs >= 0.8 * sms:
-        return 1
-    cap = max(1, min(_MAX_SPLITS, (max_pages * page_size) // CONFIG.min_split_tokens))
-    return max(1, min(cap, sms // programs))
+    rows = s_q * h
+    min_pages = triton.cdiv(CONFIG.min_split_tokens * (1 if rows <= 32 else 2), PAGE_SIZE)
+    return full_wave_splits(b * triton.cdiv(rows, TILE_M), _num_sms(device), max_pages * page_size // PAGE_SIZE,
+                            min_pages)
 
 
 def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,

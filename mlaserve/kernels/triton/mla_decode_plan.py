@@ -2,7 +2,6 @@
 the KV split count from shapes only (CUDA-graph safe), and the split workspace."""
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -66,29 +65,39 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the CPU interpreter: small, so that tests see splitting happen
 
 
+def full_wave_splits(programs: int, sms: int, units: int, min_units: int) -> int:
+    """KV splits per request for `programs` programs per split, a request's KV being `units` split units
+    (the kernel's granularity: KV tiles or pages) of the block table's capacity.
+
+    One split when the programs come near filling the SMs. Otherwise the fewest units per split, at least
+    `min_units` (and at most units // min_units splits, so that the last one is not a sliver), that keep
+    every program in one wave (programs x splits <= sms), and then the fewest splits of that size, so that
+    no split is left empty: 512 pages at one program -> 128 splits of 4 pages, at 2 programs 64 of 8 (66
+    splits would also fit the 132 SMs, but 512 pages cut into 66 runs of whole pages are 64 runs of 8 and
+    2 empty ones). scripts/split_sweep.py on the H200 (b 1/4/16 x h 16/64/128, s_k 32768,
+    bench/NOTES.md item 22) measured this count the fastest at all nine shapes for the Triton kernel, where
+    the rule it replaces (the smallest count within 85% of the best wave efficiency) picked 57, 109 and 29
+    splits at b 1 h 128, b 1 h 16/64 and b 4 h 16/64, 6-12% slower.
+    """
+    if programs == 0 or programs >= 0.8 * sms:
+        return 1
+    cap = min(_MAX_SPLITS, units // max(1, min_units))
+    for per in range(max(1, min_units), units + 1):
+        n = -(-units // per)
+        if n <= cap and programs * n <= sms:
+            return n
+    return 1
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, device: torch.device,
                       config: MLADecodeConfig) -> int:
-    """KV splits per request, from shapes only (CUDA-graph safe).
-
-    Enough programs to fill the SMs when the batch alone does not, but every split streams
-    at least `config.min_split_tokens` of the block table's capacity, so that pipeline warm-up
-    and the partial outputs the combine reads stay small against the KV. Among the counts
-    that fill the machine about as well as the best one, the smallest wins (wave efficiency,
-    as flash-attention's heuristic).
-    """
+    """KV splits per request, from shapes only (CUDA-graph safe): `full_wave_splits` over KV tiles of
+    `config.block_n` tokens, every split at least `config.min_split_tokens` of the block table's capacity
+    (so that pipeline warm-up and the partial outputs the combine reads stay small against the KV)."""
     programs = b * triton.cdiv(s_q * h, config.block_h) * config.v_split
-    sms = _num_sms(device)
-    if programs == 0 or programs >= 0.8 * sms:
-        return 1
-    cap = max(1, min(_MAX_SPLITS, (max_pages * page_size) // config.min_split_tokens))
-
-    def efficiency(n):
-        waves = programs * n / sms
-        return waves / math.ceil(waves)
-
-    best = max(efficiency(n) for n in range(1, cap + 1))
-    return next(n for n in range(1, cap + 1) if efficiency(n) >= 0.85 * best)
+    return full_wave_splits(programs, _num_sms(device), triton.cdiv(max_pages * page_size, config.block_n),
+                            triton.cdiv(config.min_split_tokens, config.block_n))
 
 
 @dataclass
