@@ -13,6 +13,7 @@ from mlaserve import ops
 from mlaserve.attention import registry
 from mlaserve.attention.base import BackendConfig
 from mlaserve.kernels import reference
+from mlaserve.kernels.triton.mla_decode import combine_splits
 from mlaserve.ops.registry import BACKENDS, PREFERENCE
 
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
@@ -197,7 +198,7 @@ def test_combine_merges_split_partials_into_the_reference(monkeypatch):
             plan.partial_lse[i, s] = lse.reshape(s_q * h).float()
     out = torch.empty(b, s_q, h, 512, dtype=torch.float16)
     lse = torch.empty(b, s_q, h)
-    cd._combine(plan, out, lse)
+    combine_splits(plan, out, lse)
     ref_out, ref_lse = reference.mla_decode(q, kv, bt, seqlens, scale)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)

@@ -3,8 +3,8 @@
 The kernel (mla_decode_kernel.py) gives each CTA 64 query rows — heads and new tokens packed as
 in the Triton kernel, row = token j * h + head — and one KV split of one request, with a TMA
 producer warpgroup and two consumer warpgroups that take alternate tiles' QK and softmax and each
-keep half of O (FlashMLA's "seesaw"; see its docstring for why). Splits are combined by the Triton `_combine_kernel` (Triton runs wherever
-this kernel does), so there is one combine in the repo.
+keep half of O (FlashMLA's "seesaw"; see its docstring for why). Splits are combined by the Triton
+`combine_splits` (Triton runs wherever this kernel does), so there is one combine in the repo.
 
 Planning is the Triton kernel's (`mla_decode_plan.py`): the split count from shapes only and the
 same workspace layout, with this kernel's 64-row tiles, so a step planned on the host launches
@@ -238,18 +238,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(plan.num_splits), cutlass.Float32(softmax_scale * _LOG2E),
        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
     if split:
-        _combine(plan, out, lse)
+        from mlaserve.kernels.triton.mla_decode import combine_splits
+        combine_splits(plan, out, lse)
     return out, lse
 
 
-def _combine(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """out [b, s_q, h, 512], lse [b, s_q, h] from the plan's per-split partials (Triton's combine kernel)."""
-    from mlaserve.kernels.triton.mla_decode import _combine_kernel
-    b, s_q, h, d_v = out.shape
-    po, pl = plan.partial_out, plan.partial_lse
-    block_c = 128
-    _combine_kernel[(b * s_q * h, triton.cdiv(d_v, block_c))](
-        po, pl, out, lse, plan.num_splits, h,
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), s_q * h,
-        HEAD_DIM_V=d_v, BLOCK_S=triton.next_power_of_2(plan.num_splits), SPLIT_CHUNK=8, BLOCK_C=block_c, num_warps=4)
