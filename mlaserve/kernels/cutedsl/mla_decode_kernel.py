@@ -51,7 +51,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, seesaw_operands, seesaw_tiled_mmas)
-from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, move_row_max, scale_rows
+from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, quad_row_max, scale_rows
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -277,12 +277,7 @@ class MLADecodeSm90:
                 mx[1] = row_m[1]
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
-                alpha = cute.make_rmem_tensor(2, Float32)
-                m_base = cute.make_rmem_tensor(2, Float32)
-                for hr in cutlass.range_constexpr(2):
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    move_row_max(row_m, row_l, alpha, m_base, hr, mx[hr])
+                alpha, m_base = quad_row_max(mx, row_m, row_l)
                 exp_p(acc_s, m_base, row_l, rP)
                 # -- e: publish P(t), m(t) --
                 cute.autovec_copy(rP, tPsP)

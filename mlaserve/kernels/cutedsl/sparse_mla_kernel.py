@@ -54,7 +54,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from mlaserve.kernels.cutedsl.seesaw_consumers import v_view
+from mlaserve.kernels.cutedsl.seesaw_consumers import issue_mma, v_view
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, key_of, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias,
     split_tiled_mmas, store_sparse)
@@ -389,11 +389,5 @@ def consumer_rows(ctid: Int32):
 def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
           zero_init: cutlass.Constexpr[bool]):
     """acc (+)= A B over all k-blocks as one wgmma group, waited for (the operands' smem is reused next)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
+    issue_mma(tiled_mma, acc, tCrA, tCrB, zero_init)
     warpgroup.wait_group(0)

@@ -33,7 +33,7 @@ from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     CONSUMER_REGS, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, consumer_rows, cta_coords, load_q, split_range,
     wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, exp_p, finish_rows, key_of, move_row_max, row_of, scale_rows, sparse_key_bias, store_sparse)
+    CONSUMER_THREADS, exp_p, finish_rows, key_of, quad_row_max, row_of, scale_rows, sparse_key_bias, store_sparse)
 
 
 class SparseMLASeesawSm90(SparseMLASm90):
@@ -99,12 +99,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 for i in cutlass.range_constexpr(n_vals):
                     acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
                     mx[row_of(i)] = cute.arch.fmax(mx[row_of(i)], acc_s[i])
-                alpha = cute.make_rmem_tensor(2, Float32)
-                m_base = cute.make_rmem_tensor(2, Float32)
-                for hr in cutlass.range_constexpr(2):
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
-                    mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
-                    move_row_max(row_m, row_l, alpha, m_base, hr, mx[hr])
+                alpha, m_base = quad_row_max(mx, row_m, row_l)
                 exp_p(acc_s, m_base, row_l, rP)
                 # -- e: publish P(t), m(t) --
                 cute.autovec_copy(rP, tPsP)

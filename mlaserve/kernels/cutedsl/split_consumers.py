@@ -86,6 +86,19 @@ def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tens
 
 
 @cute.jit
+def quad_row_max(mx: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor):
+    """The seesaw consumers' step d: mx [2] (this thread's maxima of its two rows, the running max folded
+    in) reduced over the quad that shares the rows, then move_row_max -> (alpha, m_base), each [2]."""
+    alpha = cute.make_rmem_tensor(2, Float32)
+    m_base = cute.make_rmem_tensor(2, Float32)
+    for hr in cutlass.range_constexpr(2):
+        mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
+        mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
+        move_row_max(row_m, row_l, alpha, m_base, hr, mx[hr])
+    return alpha, m_base
+
+
+@cute.jit
 def move_row_max(row_m: cute.Tensor, row_l: cute.Tensor, alpha: cute.Tensor, m_base: cute.Tensor,
                  hr: cutlass.Constexpr[int], m_new: Float32):
     """Row hr's running max row_m[hr] to m_new: alpha[hr] = exp2(old - new), row_l[hr] *= alpha[hr]. m_base[hr]
