@@ -100,6 +100,7 @@ def test_matches_reference(b, s_q, h, page_size, lens, num_splits, dtype):
     MLADecodeConfig(block_h=32, block_n=64, num_warps=4),           # a tile spans several pages
     MLADecodeConfig(block_h=128, block_n=32, v_split=2),            # all rows in one block, padded
     MLADecodeConfig(block_h=16, block_n=16, num_warps=4, lazy_rescale=True),
+    MLADecodeConfig(block_h=64, block_n=64, gluon=True),   # off Hopper: the tl kernel on the Gluon kernel's grid
 ])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_configs(config, num_splits):
@@ -220,6 +221,8 @@ def test_plan_shares_a_workspace_and_checks_it():
         plan_mla_decode(4, 2, 3, 64, 10, 16, False, "cpu", num_splits=0)
     with pytest.raises(ValueError, match="block_n"):
         MLADecodeConfig(block_n=48)
+    with pytest.raises(ValueError, match="gluon takes block_h 64"):
+        MLADecodeConfig(block_h=32, gluon=True)
     # a plan serves any batch up to its own, with the same rows
     gen = torch.Generator().manual_seed(9)
     kv, table, seqlens = make_paged([33, 12], 16, 80, torch.float16, gen)

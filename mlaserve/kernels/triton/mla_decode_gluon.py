@@ -1,0 +1,232 @@
+"""The dense MLA decode in Gluon, Triton's layout-explicit dialect (triton.experimental.gluon, Triton 3.6), for
+Hopper: what `ops.mla_decode(..., backend="triton")` runs for bf16/fp16 KV in page-64 caches when the plan
+says so (MLADecodeConfig.gluon, the default from 17 query rows per request up); elsewhere mla_decode.py runs
+the `tl` kernel with the same plan and grid.
+
+Why: the `tl` kernel tops out at 270-300 TFLOP/s at h 128 (bench/NOTES.md items 21, 23, 25): Triton
+chooses where tiles live, loads KV with cp.async per thread and serializes the MMAs with the softmax.
+Here the kernel says where things live:
+- a producer warp (warp_specialize worker, 24 registers) TMA-loads Q once and each page of the request's
+  split ([64, 576] bf16: eight [64, 64] boxes of c_kv and one of k_pe) into a STAGES-deep ring completed on
+  mbarriers;
+- the 8 compute warps (two warpgroups, wgmma layout warps [4, 2]) compute S = Q K^T (each warpgroup 32 of
+  the page's 64 keys, Q and K from shared memory), the online softmax in registers (row max across the
+  two warpgroups by the layout's reduction; row sums kept per element and reduced once at the end, 3-5%
+  faster than a reduction per page), P to shared memory, and O += P V with each
+  warpgroup accumulating 256 of the 512 columns, V being the page's c_kv read MN-major from the same ring
+  stage; then they free the stage.
+A CTA owns 64 query rows of one request (row = token j * h + head): rows past s_q * h (h 16/32, odd h)
+are computed on zeros or on the next request's queries and never stored. Cache rows past the request's
+end in its last page are zeroed in shared memory before P V (a masked P of 0 times a NaN left in an
+unused slot would be NaN). Splits write fp32 partials that mla_decode.combine_splits reduces.
+
+FA3's order (S of page t + 1 issued before P V of page t, P as the register A operand) measured 20% slower
+on the H200 than this serial order: with two ring stages, S of page t + 1 waits for a load that starts
+only when P V of page t - 1 frees its stage (bench/NOTES.md item 27). It is not here.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+BLOCK_M = gl.constexpr(64)    # query rows per CTA (one wgmma M)
+PAGE = gl.constexpr(64)       # cached tokens per page = per step
+D_QK = gl.constexpr(576)
+D_V = gl.constexpr(512)
+BOX = gl.constexpr(64)        # TMA box columns (128 bytes of bf16: one 128-byte swizzle atom)
+NBOX = gl.constexpr(8)        # D_V // BOX: the c_kv boxes; k_pe is one more box, in its own buffer
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _load_partition(q_desc, kv_desc, bt_row, q_smem, qpe_smem, kv_smem, kpe_smem, q_bar, ready, empty, q_row0,
+                    first_page, n_tiles, STAGES: gl.constexpr):
+    """The producer warp: Q once, then page t of the split into ring stage t % STAGES once it is free."""
+    mbarrier.expect(q_bar, BLOCK_M * D_QK * 2)
+    for c in gl.static_range(NBOX):
+        tma.async_copy_global_to_shared(q_desc, [q_row0, c * BOX], q_bar, q_smem.slice(c * BOX, BOX, dim=1))
+    tma.async_copy_global_to_shared(q_desc, [q_row0, D_V], q_bar, qpe_smem)
+    for t in range(n_tiles):
+        s = t % STAGES
+        # fill t // STAGES of stage s waits for the release of the fill before it (the first round passes)
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        page = gl.load(bt_row + first_page + t)
+        bar = ready.index(s)
+        mbarrier.expect(bar, PAGE * D_QK * 2)
+        for c in gl.static_range(NBOX):
+            tma.async_copy_global_to_shared(kv_desc, [page * PAGE, c * BOX], bar,
+                                            kv_smem.index(s).slice(c * BOX, BOX, dim=1))
+        tma.async_copy_global_to_shared(kv_desc, [page * PAGE, D_V], bar, kpe_smem.index(s))
+
+
+@gluon.jit
+def _zero_rows_from(kv, first):
+    """Zero rows first .. PAGE - 1 of a stage's c_kv [PAGE, 512] in shared memory, box by box (8 warps)."""
+    ZL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
+    keep = (gl.arange(0, PAGE, gl.SliceLayout(1, ZL)) < first)[:, None]
+    for c in gl.static_range(NBOX):
+        box = kv.slice(c * BOX, BOX, dim=1)
+        x = box.load(ZL)
+        box.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _compute_partition(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready, empty, n_tiles, start, seqlen,
+                       vis_len, min_vis, qk_scale, STAGES: gl.constexpr, DTYPE: gl.constexpr,
+                       S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+    """The 8 compute warps: the online softmax over the split's pages -> (O unnormalized, row max, row sum)."""
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+    l_acc = gl.zeros([BLOCK_M, PAGE], gl.float32, S_LAYOUT)   # row sums per element: no reduction per page
+    acc = gl.zeros([BLOCK_M, D_V], gl.float32, O_LAYOUT)
+    vis = gl.convert_layout(vis_len, ROW_S)
+    mbarrier.wait(q_bar, 0)
+    for t in range(n_tiles):
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        kv = kv_smem.index(s)
+        sc = warpgroup_mma(q_smem, kv.permute((1, 0)), gl.zeros([BLOCK_M, PAGE], gl.float32, S_LAYOUT),
+                           use_acc=False, is_async=True)
+        sc = warpgroup_mma(qpe_smem, kpe_smem.index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        sc = sc * qk_scale
+        tok0 = start + t * PAGE
+        if tok0 + PAGE > min_vis:
+            keys = tok0 + gl.arange(0, PAGE, COL_S)
+            sc = gl.where(keys[None, :] < vis[:, None], sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        # a row that has seen no key yet keeps m = -inf: exponentiate against 0 so that it stays 0, not NaN
+        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_base)
+        p = gl.exp2(sc - m_base[:, None])
+        l_acc = l_acc * alpha[:, None] + p
+        m_i = m_new
+        if tok0 + PAGE > seqlen:
+            _zero_rows_from(kv, seqlen - tok0)    # S is done with them: they are masked keys
+        p_smem.store(p.to(DTYPE))
+        fence_async_shared()
+        gl.thread_barrier()                       # P (and zeroed V rows) in place for both warpgroups' wgmma
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()                       # both warpgroups are done reading the stage and P
+        mbarrier.arrive(empty.index(s))
+    return acc, m_i, gl.sum(l_acc, 1)
+
+
+@gluon.jit
+def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale,
+                             num_splits, H, S_Q, ROWS, stride_btb, stride_pob, stride_pos,
+                             CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                             DTYPE: gl.constexpr):
+    """Grid (b * cdiv(ROWS, 64), num_splits); 8 warps + the producer warp. q_desc: q as [b * ROWS, 576] (row =
+    token j * H + head), kv_desc: the cache as [pages * 64, 576]; boxes [64, 64]. out [b * ROWS, 512]; lse
+    [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
+
+    tiles = gl.cdiv(ROWS, BLOCK_M)
+    b = gl.program_id(0) // tiles
+    tile = gl.program_id(0) % tiles
+    split = gl.program_id(1)
+    seqlen = gl.load(seqlens_ptr + b)
+    split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), PAGE) * PAGE
+    start = split * split_len
+    end = gl.minimum(start + split_len, seqlen)
+    n_tiles = gl.maximum(gl.cdiv(end - start, PAGE), 0)
+    rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, ROW_O)
+    if CAUSAL:
+        vis_len = gl.minimum(seqlen - S_Q + 1 + rows // H, seqlen)     # new token j sees 0 .. seqlen - S_Q + j
+        min_vis = gl.maximum(seqlen - S_Q + 1, 0)
+    else:
+        vis_len = gl.zeros([BLOCK_M], gl.int32, ROW_O) + seqlen
+        min_vis = seqlen
+
+    # shared buffers have power-of-two shapes: c_kv ([.., 512]) and k_pe ([.., 64]) apart
+    q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, D_V], SMEM)
+    qpe_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, BOX], SMEM)
+    kv_smem = gl.allocate_shared_memory(DTYPE, [STAGES, PAGE, D_V], SMEM)   # a rank-2 layout per stage
+    kpe_smem = gl.allocate_shared_memory(DTYPE, [STAGES, PAGE, BOX], SMEM)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+
+    bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+    q_row0 = b * ROWS + tile * BLOCK_M
+    p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, PAGE], SMEM)
+    acc, m_i, l_i = gl.warp_specialize(
+        [(_compute_partition, (q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready, empty, n_tiles, start,
+                               seqlen, vis_len, min_vis, qk_scale, STAGES, DTYPE, S_LAYOUT, O_LAYOUT)),
+         (_load_partition, (q_desc, kv_desc, bt_row, q_smem, qpe_smem, kv_smem, kpe_smem, q_bar, ready, empty,
+                            q_row0, start // PAGE, n_tiles, STAGES))],
+        [1], [24])
+
+    # -- epilogue: normalize; rows that saw no key get out = 0, lse = -inf --
+    l_o = gl.convert_layout(l_i, ROW_O)
+    m_o = gl.convert_layout(m_i, ROW_O)
+    empty_row = l_o == 0.0
+    inv_l = 1.0 / gl.where(empty_row, 1.0, l_o)
+    lse = gl.where(empty_row, float("-inf"), (m_o + gl.log2(gl.where(empty_row, 1.0, l_o))) / LOG2E)
+    o = acc * inv_l[:, None]
+    cols = gl.arange(0, D_V, COL_O)
+    row_ok = rows < ROWS
+    o_mask = row_ok[:, None] & (cols < D_V)[None, :]
+    if IS_SPLIT:
+        po_rows = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos + rows * D_V
+        gl.store(po_rows[:, None] + cols[None, :], o, mask=o_mask)
+        gl.store(pl_ptr + b * (num_splits * ROWS) + split * ROWS + rows, lse, mask=row_ok)
+    else:
+        o_rows = out_ptr + (b.to(gl.int64) * ROWS + rows) * D_V
+        gl.store(o_rows[:, None] + cols[None, :], o.to(DTYPE), mask=o_mask)
+        gl.store(lse_ptr + b * ROWS + rows, lse, mask=row_ok)
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
+    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 cache of bf16/fp16 in q's dtype,
+    d_qk 576 / d_v 512."""
+    d_qk = q.shape[-1]
+    return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
+            and kv_cache.dtype == q.dtype and q.dtype in _GL_DTYPES and kv_cache.dim() == 3
+            and kv_cache.is_contiguous() and kv_cache.shape[1] == PAGE.value and d_qk == D_QK.value
+            and head_dim_v == D_V.value)
+
+
+def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
+                     stages: int = 2) -> None:
+    """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
+    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with a 64-row, 64-token config."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from mlaserve.kernels.triton.mla_decode import combine_splits
+    b, s_q, h, _ = q.shape
+    rows = s_q * h
+    smem = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # descriptor shapes are plain ints on the host (the module's gl.constexpr globals are for the kernels)
+    block_m, box, page, d_qk = BLOCK_M.value, BOX.value, PAGE.value, D_QK.value
+    q_desc = TensorDescriptor.from_tensor(q.contiguous().view(b * rows, d_qk), [block_m, box], smem)
+    kv_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, d_qk), [page, box], smem)
+    split = plan.num_splits > 1
+    po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)
+    _mla_decode_gluon_kernel[(b * triton.cdiv(rows, block_m), plan.num_splits)](
+        q_desc, kv_desc, block_table, cache_seqlens, out, lse, po, pl, softmax_scale * LOG2E.value,
+        plan.num_splits, h, s_q, rows, block_table.stride(0), po.stride(0), po.stride(1),
+        CAUSAL=causal, IS_SPLIT=split, STAGES=stages, DTYPE=_GL_DTYPES[q.dtype], num_warps=8)
+    if split:
+        combine_splits(plan, out, lse)

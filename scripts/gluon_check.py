@@ -1,0 +1,96 @@
+"""Check and time the Gluon MLA decode (mlaserve/kernels/triton/mla_decode_gluon.py) on a Hopper GPU.
+
+    python scripts/gluon_check.py            # correctness shapes (PASS/FAIL each), then timings beside the tl kernel
+    python scripts/gluon_check.py --quick    # the correctness shapes only
+
+Inputs, poisoning (NaN in unused slots, out-of-range block-table entries past a request's pages) and
+tolerances are scripts/cutedsl_check.py's. The timings replay a CUDA graph that runs the kernel on copies
+of q and the cache spanning 256 MB, as `mlaserve bench kernels` rotates inputs, so that small batches do
+not read their KV from L2; they decide which row counts the triton backend gives to the Gluon kernel.
+"""
+
+import argparse
+import importlib
+import sys
+from dataclasses import replace
+
+import torch
+import triton
+
+from cutedsl_check import SCALE, compare, make_case
+from mlaserve.kernels import reference
+
+tk = importlib.import_module("mlaserve.kernels.triton.mla_decode")
+GLUON = tk.MLADecodeConfig(block_h=64, block_n=64, num_stages=2, gluon=True)
+
+
+def run(q, kv, table, seqlens, causal=True, num_splits=None, config=GLUON):
+    return tk.mla_decode(q, kv, table, seqlens, SCALE, causal, num_splits=num_splits, config=config)
+
+
+def check(config) -> int:
+    cases = [([1], 1, 64, True, None), ([64], 1, 64, True, 1), ([65], 1, 128, True, 1), ([4096], 1, 128, True, None),
+             ([777, 1, 64, 3000], 2, 64, True, None), ([777, 1, 64, 3000], 2, 128, False, 1),
+             ([5, 300, 64, 129], 1, 128, True, 3), ([2000, 0, 70, 4096], 1, 64, True, 4),
+             ([1000 + 31 * i for i in range(128)], 1, 128, True, None), ([4096] * 132, 2, 64, True, None),
+             # rows that are not a multiple of 64: padded tiles, rows past s_q * h never stored
+             ([100, 1, 3000], 1, 16, True, None), ([100, 1, 3000, 65], 1, 32, True, 2), ([5, 700, 4000], 3, 20, True, None),
+             ([129, 2, 64], 3, 128, True, None), ([3000] * 5, 2, 8, True, None)]
+    failed = 0
+    for seed, (lens, s_q, h, causal, splits) in enumerate(cases):
+        q, kv, table, seqlens = make_case(lens, s_q, h, torch.bfloat16, seed)
+        q, kv, table, seqlens = q.cuda(), kv.cuda(), table.cuda(), seqlens.cuda()
+        name = f"b{len(lens)} s_q{s_q} h{h} causal={causal} s_k {min(lens)}..{max(lens)} splits={splits or 'auto'}"
+        try:
+            out, lse = run(q, kv, table, seqlens, causal, splits, config)
+            torch.cuda.synchronize()
+            ok, err, why = compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens, SCALE,
+                                                                    causal=causal))
+        except Exception as e:      # a launch or compile error is this shape's FAIL line
+            ok, err, why = False, float("nan"), f"{type(e).__name__}: {e}"
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  max abs err {err:.2e}  {why}", flush=True)
+    return failed
+
+
+def timings() -> None:
+    copy_bytes = 256 << 20
+    shapes = [(128, 1, 128, s_k) for s_k in (4096, 32768)] + [(128, 2, 128, 8192)]
+    shapes += [(128, 1, h, s_k) for h in (64, 32) for s_k in (4096, 8192, 32768)]
+    shapes += [(b, 1, h, 32768) for b in (1, 4, 16) for h in (128, 64)]
+    for b, s_q, h, s_k in shapes:
+        pages = b * s_k // 64
+        n = max(1, min(8, -(-copy_bytes // (pages * 64 * 576 * 2))))
+        sets = [(torch.randn(b, s_q, h, 576, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(pages, 64, 576, device="cuda", dtype=torch.bfloat16),
+                 torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, s_k // 64),
+                 torch.full((b,), s_k, device="cuda", dtype=torch.int32)) for _ in range(n)]
+        flops = 2 * b * s_q * h * s_k * (576 + 512)
+        nbytes = b * s_k * 576 * 2 + b * s_q * h * (576 + 512) * 2
+        tl_config = replace(tk.default_config(s_q * h, False), gluon=False)
+        res = {}
+        for name, config in (("gluon", GLUON), ("tl", tl_config)):
+            def step():
+                for s in sets:
+                    run(*s, config=config)
+            us = triton.testing.do_bench_cudagraph(step, rep=100) * 1e3 / n
+            res[name] = us
+        print(f"b{b} s_q{s_q} h{h} s_k{s_k}: " + "  ".join(
+            f"{k} {v:7.1f} us {nbytes / v / 1e6:5.2f} TB/s {flops / v / 1e6:6.1f} TFLOP/s" for k, v in res.items())
+            + f"  gluon/tl {res['tl'] / res['gluon']:.2f}x", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    failed = check(GLUON)
+    print(f"{failed} failed", flush=True)
+    if not args.quick:   # timed even after a FAIL: a fast wrong kernel is worth fixing, a slow one is not
+        timings()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
