@@ -1,11 +1,14 @@
-"""Time Triton decode configs x KV split counts at the small-batch shapes, exactly as `mlaserve bench kernels`
-times them (its inputs rotating over 256 MB, one CUDA graph per input set, `time_us`: L2 cleared before each
-replay, median), so that the numbers compare with the benchmark's rows.
+"""Time Triton decode configs x KV split counts, exactly as `mlaserve bench kernels` times them (its inputs
+rotating over 256 MB, one CUDA graph per input set, `time_us`: L2 cleared before each replay, median), so
+that the numbers compare with the benchmark's rows.
 
-    python scripts/small_batch_sweep.py [--shapes "b4 h16,b1 h16"]
+    python scripts/small_batch_sweep.py [--shapes "b4 h16,b1 h16"] [--default-only]
+    python scripts/small_batch_sweep.py --default-only --shapes "b128 h64 sk4096 var"
 
-One line per (shape, config, split count): µs and TB/s; the planner's pick is marked; the fastest of each
-shape printed last. Each run's output is compared with the first's (max abs difference <= 2e-2).
+Small batches try split counts from 16 to 128 and the one-wave counts; large batches (one wave or more of
+programs without splitting) 1-8 splits, which only balance unequal lengths. One line per (shape, config,
+split count): µs and TB/s; the planner's pick is marked; the fastest of each shape printed last. Each run's
+output is compared with the first's (max abs difference <= 2e-2).
 """
 
 import argparse
@@ -30,23 +33,29 @@ CONFIGS = {16: [None, C(16, 64, 1, 8, 3), C(16, 32, 1, 4, 3), C(16, 32, 1, 4, 2)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="b4 h16,b1 h16,b16 h16")
+    ap.add_argument("--shapes", default="b4 h16,b1 h16,b16 h16",
+                    help='comma list of "bB hH [skS] [var]" (s_k 32768 and fixed lengths unless given)')
+    ap.add_argument("--default-only", action="store_true", help="time the default config only")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for spec in args.shapes.split(","):
-        b, h = (int(x[1:]) for x in spec.split())
-        shape = DenseShape(b, 1, 32768, h)
+        words = spec.split()
+        b, h = int(words[0][1:]), int(words[1][1:])
+        s_k = next((int(w[2:]) for w in words if w.startswith("sk")), 32768)
+        shape = DenseShape(b, 1, s_k, h, varlen="var" in words)
         di = bench_inputs.make_dense(shape, dev, seed=b + h, rotate_bytes=256 << 20)
         p = di.paging
         max_pages = p.block_table.shape[1]
         nbytes = shape.bytes(p.total_tokens)
         best, first = None, None
-        for config in CONFIGS[h]:
+        for config in [None] if args.default_only else CONFIGS[h]:
             cfg = config or md.default_config(h, False)
             planned = md.choose_num_splits(b, 1, h, max_pages, 64, dev, cfg)
             programs = b * math.ceil(h / cfg.block_h)
             counts = sorted({planned, sms // programs, 2 * sms // programs, 16, 24, 32, 48, 64, 96, 128} - {0})
+            if programs >= sms // 2:       # large batches: a few splits, for balance across unequal lengths
+                counts = [1, 2, 3, 4, 6, 8]
             for n in counts:
                 plan = md.plan_mla_decode(b, 1, h, 512, max_pages, 64, False, dev, num_splits=n, config=cfg)
                 calls = [lambda q=q, kv=kv: md.mla_decode(q, kv, p.block_table, p.seqlens, di.scale, plan=plan)
@@ -58,11 +67,11 @@ def main() -> int:
                 diff = float((out.float() - first).abs().max())
                 us = time_us(capture_graphs(calls), dev)
                 tag = "default" if config is None else f"H{cfg.block_h} N{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
-                print(f"b{b} h{h} {tag:18s} splits {n:4d}{'*' if n == planned else ' '} {us:7.1f} us "
+                print(f"{shape.key} {tag:18s} splits {n:4d}{'*' if n == planned else ' '} {us:7.1f} us "
                       f"{nbytes / us / 1e6:5.2f} TB/s  diff {diff:.1e}{'  BAD' if diff > 2e-2 else ''}", flush=True)
                 if best is None or us < best[0]:
                     best = (us, tag, n)
-        print(f"BEST b{b} h{h}: {best[1]} splits {best[2]} {best[0]:.1f} us", flush=True)
+        print(f"BEST {shape.key}: {best[1]} splits {best[2]} {best[0]:.1f} us", flush=True)
     return 0
 
 

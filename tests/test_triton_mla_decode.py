@@ -110,6 +110,17 @@ def test_configs(config, num_splits):
     check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=num_splits, config=config)
 
 
+def test_combine_takes_blocks_of_rows():
+    """520 query rows (40 requests x 13 heads) over 3 splits: the combine runs 16 rows per program, the last
+    block part-filled; empty and one-token requests among them."""
+    gen = torch.Generator().manual_seed(520)
+    lens = torch.randint(0, 50, (40,), generator=gen).tolist()
+    lens[:3] = [0, 1, 49]
+    kv, table, seqlens = make_paged(lens, 16, 80, torch.float16, gen)
+    q = torch.randn(40, 1, 13, 80, generator=gen).to(torch.float16)
+    check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=3)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_lazy_rescale_with_growing_scores(num_splits):
     """Scores that grow by ~100 (log2 units) along the sequence: P in fp16 overflows unless the lazy path

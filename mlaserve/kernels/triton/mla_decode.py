@@ -34,6 +34,7 @@ from mlaserve.kernels.triton.common import fp8_kv_values
 from mlaserve.kernels.triton.mla_decode_plan import (  # noqa: F401  (re-exported: the planning API)
     DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, default_config, full_wave_splits,
     plan_mla_decode, workspace_numel)
+from mlaserve.kernels.triton.mla_decode_plan import _num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -290,42 +291,44 @@ def _mla_decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, H,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, H, TOTAL_ROWS,
     stride_pob, stride_pos, stride_por, stride_plb, stride_pls,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, ROWS,
-    HEAD_DIM_V: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Grid (b * ROWS, cdiv(HEAD_DIM_V, BLOCK_C)): out = sum_s exp(lse_s - lse) * out_s over the splits."""
-    pid_row = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_b = pid_row // ROWS
-    r = pid_row % ROWS
+    """Grid (cdiv(b * ROWS, BLOCK_R), cdiv(HEAD_DIM_V, BLOCK_C)): for BLOCK_R of the batch's b * ROWS query rows,
+    out = sum_s exp(lse_s - lse) * out_s over the splits, lse = log sum_s exp(lse_s)."""
+    g = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)      # rows of the whole batch, request-major
+    row_ok = g < TOTAL_ROWS
+    pid_b = g // ROWS
+    r = g % ROWS
     lse_base = part_lse_ptr + pid_b * stride_plb + r
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(lse_base + offs_s * stride_pls, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse_s, 0)
+    # the rows' max and sum of exp(lse_s) over the splits, one split at a time (num_splits up to 512)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(lse_base + s * stride_pls, mask=row_ok, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_s - m), 0)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(num_splits):
+        total += tl.exp(tl.load(lse_base + s * stride_pls, mask=row_ok, other=float("-inf")) - m)
     empty = total == 0.0
     inv_total = 1.0 / tl.where(empty, 1.0, total)
 
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    po_base = part_out_ptr + pid_b.to(tl.int64) * stride_pob + r * stride_por
-    for s0 in range(0, num_splits, SPLIT_CHUNK):
-        offs = s0 + tl.arange(0, SPLIT_CHUNK)
-        s_ok = offs < num_splits
-        w = tl.exp(tl.load(lse_base + offs * stride_pls, mask=s_ok, other=float("-inf")) - m) * inv_total
-        o = tl.load(po_base + offs[:, None] * stride_pos + offs_c[None, :],
-                    mask=s_ok[:, None] & (offs_c < HEAD_DIM_V)[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = row_ok[:, None] & (offs_c < HEAD_DIM_V)[None, :]
+    po_rows = part_out_ptr + pid_b.to(tl.int64) * stride_pob + r * stride_por
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for s in range(num_splits):
+        w = tl.exp(tl.load(lse_base + s * stride_pls, mask=row_ok, other=float("-inf")) - m) * inv_total
+        o = tl.load(po_rows[:, None] + s * stride_pos + offs_c[None, :], mask=mask, other=0.0)
+        acc += w[:, None] * o
     tok = r // H
     head = r % H
-    o_row = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
-    tl.store(o_row + offs_c, acc.to(out_ptr.dtype.element_ty), mask=offs_c < HEAD_DIM_V)
-    if pid_c == 0:
+    o_rows = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
+    tl.store(o_rows[:, None] + offs_c[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, total)))
-        tl.store(lse_ptr + pid_b * stride_lb + tok * stride_ls + head, lse)
+        tl.store(lse_ptr + pid_b * stride_lb + tok * stride_ls + head, lse, mask=row_ok)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -338,13 +341,19 @@ def combine_splits(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) ->
     h 16 (74.9 against 35.2 us), so it is an ordinary launch."""
     b, s_q, h, d_v = out.shape
     po, pl = plan.partial_out, plan.partial_lse
+    total_rows = b * s_q * h
     block_c = min(128, max(32, triton.next_power_of_2(d_v)))
-    _combine_kernel[(b * s_q * h, triton.cdiv(d_v, block_c))](
-        po, pl, out, lse, plan.num_splits, h,
+    chunks = triton.cdiv(d_v, block_c)
+    # rows per program: up to 16, as long as the grid still has about 4 programs per SM (a large batch
+    # with a few splits would otherwise launch one tiny program per row and column chunk)
+    block_r = 1
+    while block_r < 16 and triton.cdiv(total_rows, 2 * block_r) * chunks >= 4 * _num_sms(out.device):
+        block_r *= 2
+    _combine_kernel[(triton.cdiv(total_rows, block_r), chunks)](
+        po, pl, out, lse, plan.num_splits, h, total_rows,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), s_q * h,
-        HEAD_DIM_V=d_v, BLOCK_S=triton.next_power_of_2(plan.num_splits), SPLIT_CHUNK=8, BLOCK_C=block_c,
-        num_warps=4)
+        HEAD_DIM_V=d_v, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=True, head_dim_v=512,
