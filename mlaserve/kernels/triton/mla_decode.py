@@ -294,38 +294,44 @@ def _combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, H, TOTAL_ROWS,
     stride_pob, stride_pos, stride_por, stride_plb, stride_pls,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, ROWS,
-    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """Grid (cdiv(b * ROWS, BLOCK_R), cdiv(HEAD_DIM_V, BLOCK_C)): for BLOCK_R of the batch's b * ROWS query rows,
-    out = sum_s exp(lse_s - lse) * out_s over the splits, lse = log sum_s exp(lse_s)."""
+    out = sum_s exp(lse_s - lse) * out_s over the splits, lse = log sum_s exp(lse_s). The splits are read
+    SPLIT_CHUNK at a time ([BLOCK_R, SPLIT_CHUNK, BLOCK_C] tiles), so that a single row's 128 splits are
+    16 wide loads, not 128 dependent ones."""
     g = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)      # rows of the whole batch, request-major
     row_ok = g < TOTAL_ROWS
     pid_b = g // ROWS
     r = g % ROWS
-    lse_base = part_lse_ptr + pid_b * stride_plb + r
-    # the rows' max and sum of exp(lse_s) over the splits, one split at a time (num_splits up to 512)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_base + s * stride_pls, mask=row_ok, other=float("-inf")))
+    lse_rows = part_lse_ptr + pid_b * stride_plb + r
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(lse_rows[:, None] + offs_s[None, :] * stride_pls,
+                    mask=row_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"))
+    m = tl.max(lse_s, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(num_splits):
-        total += tl.exp(tl.load(lse_base + s * stride_pls, mask=row_ok, other=float("-inf")) - m)
+    total = tl.sum(tl.exp(lse_s - m[:, None]), 1)
     empty = total == 0.0
     inv_total = 1.0 / tl.where(empty, 1.0, total)
 
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = row_ok[:, None] & (offs_c < HEAD_DIM_V)[None, :]
+    c_ok = offs_c < HEAD_DIM_V
     po_rows = part_out_ptr + pid_b.to(tl.int64) * stride_pob + r * stride_por
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for s in range(num_splits):
-        w = tl.exp(tl.load(lse_base + s * stride_pls, mask=row_ok, other=float("-inf")) - m) * inv_total
-        o = tl.load(po_rows[:, None] + s * stride_pos + offs_c[None, :], mask=mask, other=0.0)
-        acc += w[:, None] * o
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        offs = s0 + tl.arange(0, SPLIT_CHUNK)
+        ok = row_ok[:, None] & (offs < num_splits)[None, :]                       # [R, S]
+        w = tl.exp(tl.load(lse_rows[:, None] + offs[None, :] * stride_pls, mask=ok, other=float("-inf"))
+                   - m[:, None]) * inv_total[:, None]
+        o = tl.load(po_rows[:, None, None] + offs[None, :, None] * stride_pos + offs_c[None, None, :],
+                    mask=ok[:, :, None] & c_ok[None, None, :], other=0.0)        # [R, S, C]
+        acc += tl.sum(w[:, :, None] * o, 1)
     tok = r // H
     head = r % H
     o_rows = out_ptr + pid_b.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh
-    tl.store(o_rows[:, None] + offs_c[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_rows[:, None] + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & c_ok[None, :])
     if tl.program_id(1) == 0:
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, total)))
         tl.store(lse_ptr + pid_b * stride_lb + tok * stride_ls + head, lse, mask=row_ok)
@@ -353,7 +359,8 @@ def combine_splits(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) ->
         po, pl, out, lse, plan.num_splits, h, total_rows,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), s_q * h,
-        HEAD_DIM_V=d_v, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+        HEAD_DIM_V=d_v, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(plan.num_splits),
+        SPLIT_CHUNK=max(1, 8 // block_r), BLOCK_C=block_c, num_warps=4)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=True, head_dim_v=512,
