@@ -1,0 +1,107 @@
+"""Check and time the WIP Gluon FP8 decode (mlaserve/kernels/triton/mla_decode_gluon_fp8.py) on a Hopper GPU.
+
+    python scripts/gluon_fp8_check.py            # correctness shapes (PASS/FAIL each), then timings
+    python scripts/gluon_fp8_check.py --quick    # the correctness shapes only
+
+The kernel applies the FP8 scales after its MMAs, so it is compared with the reference on the exact
+e4m3 x scale values (float64), not on the format's bf16 rounding of them; every unused slot's 656 bytes
+are 0xFF (NaN e4m3, NaN scales, NaN k_pe). Timings replay a CUDA graph over input copies spanning 256 MB,
+beside the tl kernel on the same FP8 cache and on the bf16 cache it was quantized from.
+"""
+
+import argparse
+import importlib
+import sys
+
+import torch
+import triton
+
+from cutedsl_check import SCALE, compare, make_fp8_case
+from mlaserve import ops
+from mlaserve.kernels import fp8_format, reference
+
+tk = importlib.import_module("mlaserve.kernels.triton.mla_decode")
+gk = importlib.import_module("mlaserve.kernels.triton.mla_decode_gluon_fp8")
+CONFIG = tk.MLADecodeConfig(block_h=16, block_n=64, num_stages=2)
+
+
+def exact_values(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [pages, 64, 656] -> float64 [pages, 64, 576]: e4m3 x fp32 scale per 128 columns, k_pe."""
+    flat = packed.reshape(-1, fp8_format.PACKED_BYTES)
+    e = flat[:, :512].contiguous().view(torch.float8_e4m3fn).double().view(-1, 4, 128)
+    scales = flat[:, 512:528].contiguous().view(torch.float32).double()
+    kpe = flat[:, 528:].contiguous().view(torch.bfloat16).double()
+    return torch.cat([(e * scales[..., None]).reshape(-1, 512), kpe], -1).view(*packed.shape[:2], 576)
+
+
+def run(q, kv, table, seqlens, causal=True, num_splits=None):
+    b, s_q, h, _ = q.shape
+    plan = tk.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, True, q.device, num_splits=num_splits, config=CONFIG)
+    out = torch.empty(b, s_q, h, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
+    gk.mla_decode_gluon_fp8(q, kv, table, seqlens, SCALE, causal, plan, out, lse)
+    return out, lse
+
+
+def check() -> int:
+    cases = [([1], 1, 16, True, None), ([64], 1, 16, True, 1), ([65], 2, 8, True, 1), ([4096], 1, 16, True, None),
+             ([777, 1, 64, 3000], 2, 8, True, None), ([777, 1, 64, 3000], 1, 16, False, 1),
+             ([5, 300, 64, 129], 1, 16, True, 3), ([2000, 0, 70, 4096], 1, 16, True, 4),
+             ([1000 + 31 * i for i in range(128)], 1, 16, True, None), ([100, 1, 3000], 3, 5, True, None)]
+    failed = 0
+    for seed, (lens, s_q, h, causal, splits) in enumerate(cases):
+        q, kv, table, seqlens = make_fp8_case(lens, s_q, h, seed)
+        name = f"b{len(lens)} s_q{s_q} h{h} causal={causal} s_k {min(lens)}..{max(lens)} splits={splits or 'auto'}"
+        try:
+            out, lse = run(q, kv, table, seqlens, causal, splits)
+            torch.cuda.synchronize()
+            ref = reference.mla_decode(q.double(), exact_values(kv), table, seqlens, SCALE, causal=causal)
+            ok, err, why = compare(out, lse, *ref)
+        except Exception as e:      # a launch or compile error is this shape's FAIL line
+            ok, err, why = False, float("nan"), f"{type(e).__name__}: {str(e)[:300]}"
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  max abs err {err:.2e}  {why}", flush=True)
+    return failed
+
+
+def timings() -> None:
+    copy_bytes = 256 << 20
+    shapes = [(128, 1, 16, s_k) for s_k in (4096, 8192, 32768)] + [(b, 1, 16, 32768) for b in (1, 4, 16)]
+    for b, s_q, h, s_k in shapes:
+        pages = b * s_k // 64
+        n = max(1, min(8, -(-copy_bytes // (pages * 64 * 656))))
+        sets = []
+        for _ in range(n):
+            kv16 = torch.randn(pages, 64, 576, device="cuda", dtype=torch.bfloat16)
+            sets.append((torch.randn(b, s_q, h, 576, device="cuda", dtype=torch.bfloat16), kv16,
+                         ops.quantize_kv_fp8(kv16), torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1),
+                         torch.full((b,), s_k, device="cuda", dtype=torch.int32)))
+        res = {}
+        for name in ("gluon-fp8", "tl-fp8", "tl-bf16"):
+            def step():
+                for q, kv16, kv8, table, seqlens in sets:
+                    if name == "gluon-fp8":
+                        run(q, kv8, table, seqlens)
+                    else:
+                        tk.mla_decode(q, kv8 if name == "tl-fp8" else kv16, table, seqlens, SCALE)
+            step()
+            torch.cuda.synchronize()
+            res[name] = triton.testing.do_bench_cudagraph(step, rep=100) * 1e3 / n
+        print(f"b{b} s_q{s_q} h{h} s_k{s_k}: " + "  ".join(f"{k} {v:7.1f} us" for k, v in res.items())
+              + f"  gluon-fp8 vs tl-bf16 {res['tl-bf16'] / res['gluon-fp8']:.2f}x", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    failed = check()
+    print(f"{failed} failed", flush=True)
+    if not args.quick:   # timed even after a FAIL: a fast wrong kernel is worth fixing, a slow one is not
+        timings()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
