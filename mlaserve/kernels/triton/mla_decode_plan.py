@@ -20,8 +20,9 @@ class MLADecodeConfig:
     num_stages: int = 2          # software pipelining: KV tiles in flight (wgmma: num_stages, mma.sync: - 1)
     min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
     lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
-    gluon: bool = False          # the Gluon kernel (mla_decode_gluon.py: TMA, wgmma, a producer warp) where it
-                                 # runs (Hopper, bf16/fp16 KV in page-64 caches); the tl kernel elsewhere
+    gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
+                                 # page-64 caches: mla_decode_gluon.py for bf16/fp16 KV in 64-row blocks,
+                                 # mla_decode_gluon_fp8.py for FP8 KV and <= 16 rows in 16-row blocks; else tl
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -30,8 +31,8 @@ class MLADecodeConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.v_split not in (1, 2):
             raise ValueError(f"v_split must be 1 or 2, got {self.v_split}")
-        if self.gluon and (self.block_h, self.block_n, self.v_split, self.num_warps) != (64, 64, 1, 8):
-            raise ValueError(f"gluon takes block_h 64, block_n 64, v_split 1, num_warps 8 (its tl fallback "
+        if self.gluon and (self.block_h not in (16, 64) or (self.block_n, self.v_split, self.num_warps) != (64, 1, 8)):
+            raise ValueError(f"gluon takes block_h 16 or 64, block_n 64, v_split 1, num_warps 8 (its tl fallback "
                              f"launches the same grid), got {self}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.min_split_tokens < 1:
             raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
@@ -42,8 +43,9 @@ class MLADecodeConfig:
 # kernel, and the Gluon kernel from 17 rows up with bf16/fp16 KV. Up to 16 rows the tl kernel is
 # memory-bound at 87-96% of copy bandwidth with mma.sync, ahead of the Gluon kernel's padded 64-row tiles
 # (0.82-0.96x); from 17 rows the Gluon kernel (TMA ring, producer warp, wgmma) measured 1.14-1.23x the tl
-# kernel at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py, bench/NOTES.md item 27). FP8 KV stays
-# on the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
+# kernel at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py, bench/NOTES.md item 27). FP8 KV up to 16
+# rows takes the Gluon FP8 kernel (keys on M; 1.14-1.41x the tl kernel, bench/NOTES.md item 31); from 17
+# rows the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3),
@@ -51,7 +53,7 @@ DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
-    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (32, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
