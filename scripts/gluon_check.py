@@ -28,7 +28,27 @@ def run(q, kv, table, seqlens, causal=True, num_splits=None, config=GLUON):
     return tk.mla_decode(q, kv, table, seqlens, SCALE, causal, num_splits=num_splits, config=config)
 
 
-def check(config) -> int:
+def check_shapes(cases, make, run_case, values) -> int:
+    """One PASS/FAIL line per case (lens, s_q, h, causal, splits); -> the number failed. make(lens, s_q, h, seed)
+    gives the inputs, run_case(q, kv, table, seqlens, causal, splits) the kernel's (out, lse), and the reference
+    runs in float64 on values(kv)."""
+    failed = 0
+    for seed, (lens, s_q, h, causal, splits) in enumerate(cases):
+        q, kv, table, seqlens = make(lens, s_q, h, seed)
+        name = f"b{len(lens)} s_q{s_q} h{h} causal={causal} s_k {min(lens)}..{max(lens)} splits={splits or 'auto'}"
+        try:
+            out, lse = run_case(q, kv, table, seqlens, causal, splits)
+            torch.cuda.synchronize()
+            ok, err, why = compare(out, lse, *reference.mla_decode(q.double(), values(kv), table, seqlens, SCALE,
+                                                                    causal=causal))
+        except Exception as e:      # a launch or compile error is this shape's FAIL line
+            ok, err, why = False, float("nan"), f"{type(e).__name__}: {str(e)[:300]}"
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {name}  max abs err {err:.2e}  {why}", flush=True)
+    return failed
+
+
+def check() -> int:
     cases = [([1], 1, 64, True, None), ([64], 1, 64, True, 1), ([65], 1, 128, True, 1), ([4096], 1, 128, True, None),
              ([777, 1, 64, 3000], 2, 64, True, None), ([777, 1, 64, 3000], 2, 128, False, 1),
              ([5, 300, 64, 129], 1, 128, True, 3), ([2000, 0, 70, 4096], 1, 64, True, 4),
@@ -36,21 +56,8 @@ def check(config) -> int:
              # rows that are not a multiple of 64: padded tiles, rows past s_q * h never stored
              ([100, 1, 3000], 1, 16, True, None), ([100, 1, 3000, 65], 1, 32, True, 2), ([5, 700, 4000], 3, 20, True, None),
              ([129, 2, 64], 3, 128, True, None), ([3000] * 5, 2, 8, True, None)]
-    failed = 0
-    for seed, (lens, s_q, h, causal, splits) in enumerate(cases):
-        q, kv, table, seqlens = make_case(lens, s_q, h, torch.bfloat16, seed)
-        q, kv, table, seqlens = q.cuda(), kv.cuda(), table.cuda(), seqlens.cuda()
-        name = f"b{len(lens)} s_q{s_q} h{h} causal={causal} s_k {min(lens)}..{max(lens)} splits={splits or 'auto'}"
-        try:
-            out, lse = run(q, kv, table, seqlens, causal, splits, config)
-            torch.cuda.synchronize()
-            ok, err, why = compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens, SCALE,
-                                                                    causal=causal))
-        except Exception as e:      # a launch or compile error is this shape's FAIL line
-            ok, err, why = False, float("nan"), f"{type(e).__name__}: {e}"
-        failed += not ok
-        print(f"{'PASS' if ok else 'FAIL'}  {name}  max abs err {err:.2e}  {why}", flush=True)
-    return failed
+    return check_shapes(cases, lambda lens, s_q, h, seed: make_case(lens, s_q, h, torch.bfloat16, seed), run,
+                        lambda kv: kv.double())
 
 
 def timings() -> None:
@@ -80,15 +87,16 @@ def timings() -> None:
             + f"  gluon/tl {res['tl'] / res['gluon']:.2f}x", flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(doc: str = __doc__, check_fn=None, timings_fn=None) -> int:
+    """The command line of this script and of gluon_fp8_check.py: checks, then timings unless --quick."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    failed = check(GLUON)
+    failed = (check_fn or check)()
     print(f"{failed} failed", flush=True)
     if not args.quick:   # timed even after a FAIL: a fast wrong kernel is worth fixing, a slow one is not
-        timings()
+        (timings_fn or timings)()
     return 1 if failed else 0
 
 

@@ -9,16 +9,17 @@ are 0xFF (NaN e4m3, NaN scales, NaN k_pe). Timings replay a CUDA graph over inpu
 beside the tl kernel on the same FP8 cache and on the bf16 cache it was quantized from.
 """
 
-import argparse
 import importlib
 import sys
 
 import torch
 import triton
 
-from cutedsl_check import SCALE, compare, make_fp8_case
+from cutedsl_check import SCALE, make_fp8_case
+import gluon_check
+from gluon_check import check_shapes
 from mlaserve import ops
-from mlaserve.kernels import fp8_format, reference
+from mlaserve.kernels import fp8_format
 
 tk = importlib.import_module("mlaserve.kernels.triton.mla_decode")
 gk = importlib.import_module("mlaserve.kernels.triton.mla_decode_gluon_fp8")
@@ -48,20 +49,7 @@ def check() -> int:
              ([777, 1, 64, 3000], 2, 8, True, None), ([777, 1, 64, 3000], 1, 16, False, 1),
              ([5, 300, 64, 129], 1, 16, True, 3), ([2000, 0, 70, 4096], 1, 16, True, 4),
              ([1000 + 31 * i for i in range(128)], 1, 16, True, None), ([100, 1, 3000], 3, 5, True, None)]
-    failed = 0
-    for seed, (lens, s_q, h, causal, splits) in enumerate(cases):
-        q, kv, table, seqlens = make_fp8_case(lens, s_q, h, seed)
-        name = f"b{len(lens)} s_q{s_q} h{h} causal={causal} s_k {min(lens)}..{max(lens)} splits={splits or 'auto'}"
-        try:
-            out, lse = run(q, kv, table, seqlens, causal, splits)
-            torch.cuda.synchronize()
-            ref = reference.mla_decode(q.double(), exact_values(kv), table, seqlens, SCALE, causal=causal)
-            ok, err, why = compare(out, lse, *ref)
-        except Exception as e:      # a launch or compile error is this shape's FAIL line
-            ok, err, why = False, float("nan"), f"{type(e).__name__}: {str(e)[:300]}"
-        failed += not ok
-        print(f"{'PASS' if ok else 'FAIL'}  {name}  max abs err {err:.2e}  {why}", flush=True)
-    return failed
+    return check_shapes(cases, make_fp8_case, run, exact_values)
 
 
 def timings() -> None:
@@ -91,17 +79,5 @@ def timings() -> None:
               + f"  gluon-fp8 vs tl-bf16 {res['tl-bf16'] / res['gluon-fp8']:.2f}x", flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    failed = check()
-    print(f"{failed} failed", flush=True)
-    if not args.quick:   # timed even after a FAIL: a fast wrong kernel is worth fixing, a slow one is not
-        timings()
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gluon_check.main(__doc__, check, timings))

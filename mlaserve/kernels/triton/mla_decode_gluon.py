@@ -120,6 +120,37 @@ def _compute_partition(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready
 
 
 @gluon.jit
+def split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL: gl.constexpr):
+    """-> (request b's length, its split's first token, the split's pages, per row the keys it sees, the
+    fewest keys any row sees). Splits are whole pages, cdiv(cdiv(length, num_splits), 64) * 64 tokens each;
+    causal: new token j (rows j * H .. j * H + H - 1) sees 0 .. length - S_Q + j."""
+    seqlen = gl.load(seqlens_ptr + b)
+    split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), PAGE) * PAGE
+    start = split * split_len
+    end = gl.minimum(start + split_len, seqlen)
+    n_tiles = gl.maximum(gl.cdiv(end - start, PAGE), 0)
+    if CAUSAL:
+        vis_len = gl.minimum(seqlen - S_Q + 1 + rows // H, seqlen)
+        min_vis = gl.maximum(seqlen - S_Q + 1, 0)
+    else:
+        vis_len = gl.zeros_like(rows) + seqlen
+        min_vis = seqlen
+    return seqlen, start, n_tiles, vis_len, min_vis
+
+
+@gluon.jit
+def finish_rows(m_i, l_i, ROW_LAYOUT: gl.constexpr):
+    """(1 / row sum, lse in natural log) in ROW_LAYOUT from the softmax's row max (log2 units) and row sum;
+    rows that saw no key get 1 / sum = 1 (their O is 0) and lse = -inf."""
+    l_o = gl.convert_layout(l_i, ROW_LAYOUT)
+    m_o = gl.convert_layout(m_i, ROW_LAYOUT)
+    empty_row = l_o == 0.0
+    inv_l = 1.0 / gl.where(empty_row, 1.0, l_o)
+    lse = gl.where(empty_row, float("-inf"), (m_o + gl.log2(gl.where(empty_row, 1.0, l_o))) / LOG2E)
+    return inv_l, lse
+
+
+@gluon.jit
 def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale,
                              num_splits, H, S_Q, ROWS, stride_btb, stride_pob, stride_pos,
                              CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
@@ -138,18 +169,9 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_
     b = gl.program_id(0) // tiles
     tile = gl.program_id(0) % tiles
     split = gl.program_id(1)
-    seqlen = gl.load(seqlens_ptr + b)
-    split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), PAGE) * PAGE
-    start = split * split_len
-    end = gl.minimum(start + split_len, seqlen)
-    n_tiles = gl.maximum(gl.cdiv(end - start, PAGE), 0)
     rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, ROW_O)
-    if CAUSAL:
-        vis_len = gl.minimum(seqlen - S_Q + 1 + rows // H, seqlen)     # new token j sees 0 .. seqlen - S_Q + j
-        min_vis = gl.maximum(seqlen - S_Q + 1, 0)
-    else:
-        vis_len = gl.zeros([BLOCK_M], gl.int32, ROW_O) + seqlen
-        min_vis = seqlen
+    seqlen, start, n_tiles, vis_len, min_vis = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q,
+                                                                    CAUSAL)
 
     # shared buffers have power-of-two shapes: c_kv ([.., 512]) and k_pe ([.., 64]) apart
     q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, D_V], SMEM)
@@ -175,12 +197,7 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_
                             q_row0, start // PAGE, n_tiles, STAGES))],
         [1], [24])
 
-    # -- epilogue: normalize; rows that saw no key get out = 0, lse = -inf --
-    l_o = gl.convert_layout(l_i, ROW_O)
-    m_o = gl.convert_layout(m_i, ROW_O)
-    empty_row = l_o == 0.0
-    inv_l = 1.0 / gl.where(empty_row, 1.0, l_o)
-    lse = gl.where(empty_row, float("-inf"), (m_o + gl.log2(gl.where(empty_row, 1.0, l_o))) / LOG2E)
+    inv_l, lse = finish_rows(m_i, l_i, ROW_O)
     o = acc * inv_l[:, None]
     cols = gl.arange(0, D_V, COL_O)
     row_ok = rows < ROWS

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from mlaserve.kernels import fp8_format
+from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility
 
 ROWS_PAD = gl.constexpr(16)   # query rows per CTA: the MMA's N
 PAGE = gl.constexpr(64)       # cached tokens per page = per step = the MMA's M
@@ -209,19 +210,10 @@ def _mla_decode_fp8_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_p
 
     b = gl.program_id(0)
     split = gl.program_id(1)
-    seqlen = gl.load(seqlens_ptr + b)
-    split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), PAGE) * PAGE
-    start = split * split_len
-    end = gl.minimum(start + split_len, seqlen)
-    n_tiles = gl.maximum(gl.cdiv(end - start, PAGE), 0)
     rows = gl.arange(0, ROWS_PAD, ROW_O)
     row_ok = rows < ROWS
-    if CAUSAL:
-        vis_len = gl.minimum(seqlen - S_Q + 1 + rows // H, seqlen)     # new token j sees 0 .. seqlen - S_Q + j
-        min_vis = gl.maximum(seqlen - S_Q + 1, 0)
-    else:
-        vis_len = gl.zeros([ROWS_PAD], gl.int32, ROW_O) + seqlen
-        min_vis = seqlen
+    seqlen, start, n_tiles, vis_len, min_vis = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q,
+                                                                    CAUSAL)
 
     # -- Q: c part to f16 after a power-of-two scaling of the tile (largest magnitude to 2^14), k_pe part bf16 --
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -264,11 +256,7 @@ def _mla_decode_fp8_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_p
         [1], [24])
 
     # -- epilogue: normalize; rows that saw no key get out = 0, lse = -inf --
-    l_o = gl.convert_layout(l_i, ROW_O)
-    m_o = gl.convert_layout(m_i, ROW_O)
-    empty_row = l_o == 0.0
-    inv_l = 1.0 / gl.where(empty_row, 1.0, l_o)
-    lse = gl.where(empty_row, float("-inf"), (m_o + gl.log2(gl.where(empty_row, 1.0, l_o))) / LOG2E)
+    inv_l, lse = finish_rows(m_i, l_i, ROW_O)
     _store_group(o0, 0, inv_l, rows, row_ok, b, split, num_splits, ROWS, out_ptr, po_ptr, stride_pob, stride_pos,
                  IS_SPLIT, DTYPE, O_LAYOUT)
     _store_group(o1, 1, inv_l, rows, row_ok, b, split, num_splits, ROWS, out_ptr, po_ptr, stride_pob, stride_pos,
