@@ -1,5 +1,5 @@
 """The dense MLA decode in Gluon, Triton's layout-explicit dialect (triton.experimental.gluon, Triton 3.6), for
-Hopper: what `ops.mla_decode(..., backend="triton")` runs for bf16/fp16 KV in page-64 caches when the plan
+Hopper: what `ops.mla_decode(..., backend="triton")` runs for bf16 KV in page-64 caches when the plan
 says so (MLADecodeConfig.gluon, the default from 17 query rows per request up); elsewhere mla_decode.py runs
 the `tl` kernel with the same plan and grid.
 
@@ -212,12 +212,13 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_
         gl.store(lse_ptr + b * ROWS + rows, lse, mask=row_ok)
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# bf16 only: the fp16 specializations compile but have not run on a GPU (the tl kernel takes fp16)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16}
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
-    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 cache of bf16/fp16 in q's dtype,
-    d_qk 576 / d_v 512."""
+    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 bf16 cache and bf16 q, d_qk 576 /
+    d_v 512."""
     d_qk = q.shape[-1]
     return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
             and kv_cache.dtype == q.dtype and q.dtype in _GL_DTYPES and kv_cache.dim() == 3

@@ -271,12 +271,13 @@ def _mla_decode_fp8_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_p
         gl.store(lse_ptr + b * ROWS + rows, lse, mask=row_ok)
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# bf16 only: the fp16 specializations compile but have not run on a GPU (the tl kernel takes fp16)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16}
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 FP8 cache, <= 16 query rows per
-    request, bf16/fp16 q with d_qk 576, d_v 512."""
+    request, bf16 q with d_qk 576, d_v 512."""
     b, s_q, h, d_qk = q.shape
     return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
             and kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3 and kv_cache.is_contiguous()

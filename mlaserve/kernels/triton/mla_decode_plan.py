@@ -21,7 +21,7 @@ class MLADecodeConfig:
     min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
     lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
     gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
-                                 # page-64 caches: mla_decode_gluon.py for bf16/fp16 KV in 64-row blocks,
+                                 # page-64 caches: mla_decode_gluon.py for bf16 KV in 64-row blocks,
                                  # mla_decode_gluon_fp8.py for FP8 KV and <= 16 rows in 16-row blocks; else tl
 
     def __post_init__(self):
@@ -40,7 +40,7 @@ class MLADecodeConfig:
 
 # Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind): the winners of
 # scripts/tune_mla_decode.py's H200 sweep (bench/results/tune-mla-decode-h200-2026-11-30.json) for the tl
-# kernel, and the Gluon kernel from 17 rows up with bf16/fp16 KV. Up to 16 rows the tl kernel is
+# kernel, and the Gluon kernel from 17 rows up with bf16 KV. Up to 16 rows the tl kernel is
 # memory-bound at 87-96% of copy bandwidth with mma.sync, ahead of the Gluon kernel's padded 64-row tiles
 # (0.82-0.96x); from 17 rows the Gluon kernel (TMA ring, producer warp, wgmma) measured 1.14-1.23x the tl
 # kernel at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py, bench/NOTES.md item 27). FP8 KV up to 16
