@@ -23,6 +23,7 @@ so a call can be captured in a CUDA graph. `plan_mla_decode` does the host work 
 step (config, split count, workspace); `mla_decode(..., plan=...)` only launches.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -408,6 +409,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
             mla_decode_gluon_fp8.mla_decode_gluon_fp8(q, kv_cache, block_table, cache_seqlens.contiguous(),
                                                       softmax_scale, causal, plan, out, lse)
             return out, lse
+    if cfg.gluon and cfg.block_h == 64 and s_q * h <= 32:
+        # no Gluon here: the tl kernel's own config for <= 32 rows (32-row blocks, 3 stages) on the same grid
+        cfg = dataclasses.replace(cfg, block_h=32, num_stages=3, gluon=False)
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)  # unused pointers when not split
     grid = (b * triton.cdiv(s_q * h, cfg.block_h) * cfg.v_split, plan.num_splits)
