@@ -26,15 +26,6 @@ gk = importlib.import_module("mlaserve.kernels.triton.mla_decode_gluon_fp8")
 CONFIG = tk.MLADecodeConfig(block_h=16, block_n=64, num_stages=2)
 
 
-def exact_values(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [pages, 64, 656] -> float64 [pages, 64, 576]: e4m3 x fp32 scale per 128 columns, k_pe."""
-    flat = packed.reshape(-1, fp8_format.PACKED_BYTES)
-    e = flat[:, :512].contiguous().view(torch.float8_e4m3fn).double().view(-1, 4, 128)
-    scales = flat[:, 512:528].contiguous().view(torch.float32).double()
-    kpe = flat[:, 528:].contiguous().view(torch.bfloat16).double()
-    return torch.cat([(e * scales[..., None]).reshape(-1, 512), kpe], -1).view(*packed.shape[:2], 576)
-
-
 def run(q, kv, table, seqlens, causal=True, num_splits=None):
     b, s_q, h, _ = q.shape
     plan = tk.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, True, q.device, num_splits=num_splits, config=CONFIG)
@@ -49,7 +40,7 @@ def check() -> int:
              ([777, 1, 64, 3000], 2, 8, True, None), ([777, 1, 64, 3000], 1, 16, False, 1),
              ([5, 300, 64, 129], 1, 16, True, 3), ([2000, 0, 70, 4096], 1, 16, True, 4),
              ([1000 + 31 * i for i in range(128)], 1, 16, True, None), ([100, 1, 3000], 3, 5, True, None)]
-    return check_shapes(cases, make_fp8_case, run, exact_values)
+    return check_shapes(cases, make_fp8_case, run, fp8_format.dequantize_exact)
 
 
 def timings() -> None:
