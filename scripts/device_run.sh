@@ -27,7 +27,7 @@
 #                     CUTEDSL_SPARSE_ARGS="" times the dense cluster sizes and runs every sparse check)
 #   phase "gluon"     scripts/gluon_check.py and scripts/gluon_fp8_check.py (the Gluon decodes, bf16 and FP8 KV,
 #                     against the reference, timed beside the tl kernel) into gluon.log; T_GLUON 200 each
-#   phase "splits"    scripts/split_sweep.py (small-batch KV split counts by CUDA-graph replay) for triton, then for
+#   phase "splits"    scripts/split_sweep.py (small-batch KV split counts, timed as the benchmark) for triton, then for
 #                     cutedsl where the DSL is on the machine, into splits.log; T_SPLITS 120 each
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
@@ -168,7 +168,7 @@ if has_phase splits; then
     fi
     run_phase "split-sweep-$backend" "$(limit "${T_SPLITS:-120}")" "$OUT/splits.log" \
       python3 scripts/split_sweep.py --backend "$backend"
-    grep "^splits $backend" "$OUT/splits.log" | tee -a "$LOG"
+    grep "^BEST $backend" "$OUT/splits.log" | tee -a "$LOG"
   done
 fi
 
