@@ -2,6 +2,9 @@
 
     python scripts/gluon_fp8_check.py            # correctness shapes (PASS/FAIL each), then timings
     python scripts/gluon_fp8_check.py --quick    # the correctness shapes only
+    FP8_KERNELS=mlaserve.kernels.triton.mla_decode_gluon_fp8,other.module python scripts/gluon_fp8_check.py
+                                                 # variants of the kernel (each module's mla_decode_gluon_fp8),
+                                                 # each checked and timed beside the others
 
 The kernel applies the FP8 scales after its MMAs, so it is compared with the reference on the exact
 e4m3 x scale values (float64), not on the format's bf16 rounding of them; every unused slot's 656 bytes
@@ -10,6 +13,7 @@ beside the tl kernel on the same FP8 cache and on the bf16 cache it was quantize
 """
 
 import importlib
+import os
 import sys
 
 import torch
@@ -22,16 +26,17 @@ from mlaserve import ops
 from mlaserve.kernels import fp8_format
 
 tk = importlib.import_module("mlaserve.kernels.triton.mla_decode")
-gk = importlib.import_module("mlaserve.kernels.triton.mla_decode_gluon_fp8")
+KERNELS = {m.rsplit(".", 1)[-1]: importlib.import_module(m) for m in os.environ.get(
+    "FP8_KERNELS", "mlaserve.kernels.triton.mla_decode_gluon_fp8").split(",")}
 CONFIG = tk.MLADecodeConfig(block_h=16, block_n=64, num_stages=2)
 
 
-def run(q, kv, table, seqlens, causal=True, num_splits=None):
+def run(q, kv, table, seqlens, causal=True, num_splits=None, gk=None):
     b, s_q, h, _ = q.shape
     plan = tk.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, True, q.device, num_splits=num_splits, config=CONFIG)
     out = torch.empty(b, s_q, h, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
-    gk.mla_decode_gluon_fp8(q, kv, table, seqlens, SCALE, causal, plan, out, lse)
+    (gk or next(iter(KERNELS.values()))).mla_decode_gluon_fp8(q, kv, table, seqlens, SCALE, causal, plan, out, lse)
     return out, lse
 
 
@@ -40,7 +45,11 @@ def check() -> int:
              ([777, 1, 64, 3000], 2, 8, True, None), ([777, 1, 64, 3000], 1, 16, False, 1),
              ([5, 300, 64, 129], 1, 16, True, 3), ([2000, 0, 70, 4096], 1, 16, True, 4),
              ([1000 + 31 * i for i in range(128)], 1, 16, True, None), ([100, 1, 3000], 3, 5, True, None)]
-    return check_shapes(cases, make_fp8_case, run, fp8_format.dequantize_exact)
+    failed = 0
+    for name, gk in KERNELS.items():
+        print(f"-- {name}", flush=True)
+        failed += check_shapes(cases, make_fp8_case, lambda *a, gk=gk: run(*a, gk=gk), fp8_format.dequantize_exact)
+    return failed
 
 
 def timings() -> None:
@@ -56,18 +65,18 @@ def timings() -> None:
                          ops.quantize_kv_fp8(kv16), torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1),
                          torch.full((b,), s_k, device="cuda", dtype=torch.int32)))
         res = {}
-        for name in ("gluon-fp8", "tl-fp8", "tl-bf16"):
+        for name in (*KERNELS, "tl-fp8", "tl-bf16"):
             def step():
                 for q, kv16, kv8, table, seqlens in sets:
-                    if name == "gluon-fp8":
-                        run(q, kv8, table, seqlens)
+                    if name in KERNELS:
+                        run(q, kv8, table, seqlens, gk=KERNELS[name])
                     else:
                         tk.mla_decode(q, kv8 if name == "tl-fp8" else kv16, table, seqlens, SCALE)
             step()
             torch.cuda.synchronize()
             res[name] = triton.testing.do_bench_cudagraph(step, rep=100) * 1e3 / n
         print(f"b{b} s_q{s_q} h{h} s_k{s_k}: " + "  ".join(f"{k} {v:7.1f} us" for k, v in res.items())
-              + f"  gluon-fp8 vs tl-bf16 {res['tl-bf16'] / res['gluon-fp8']:.2f}x", flush=True)
+              + "".join(f"  {k} vs tl-bf16 {res['tl-bf16'] / res[k]:.2f}x" for k in KERNELS), flush=True)
 
 
 if __name__ == "__main__":
