@@ -57,25 +57,12 @@ def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
     return b.float()
 
 
-def _unpack(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """packed uint8 [..., 656] -> [..., 576] in `dtype` (float32 or float64): e4m3 entry x its tile's scale
-    computed in `dtype`, then k_pe."""
-    lead = packed.shape[:-1]
-    flat = packed.reshape(-1, PACKED_BYTES)
-    q = flat[:, :SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn).to(dtype).view(-1, NUM_TILES, TILE)
-    scale = flat[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32).to(dtype)  # [n, 4]
-    ckv = (q * scale[..., None]).view(-1, KV_LORA_RANK)
-    kpe = flat[:, ROPE_OFFSET:].contiguous().view(torch.bfloat16).to(dtype)
-    return torch.cat([ckv, kpe], dim=-1).view(*lead, D_QK)
-
-
 def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """packed uint8 [..., 656] -> [..., 576] in `dtype`: the bf16 values of the entries, cast to `dtype`."""
-    return _unpack(packed, torch.float32).to(torch.bfloat16).to(dtype)
-
-
-def dequantize_exact(packed: torch.Tensor) -> torch.Tensor:
-    """packed uint8 [..., 656] -> float64 [..., 576]: the entries' exact values (e4m3 x fp32 scale needs up
-    to 28 significant bits), for kernels that apply the scales after their MMAs instead of rounding the
-    entries to bf16."""
-    return _unpack(packed, torch.float64)
+    lead = packed.shape[:-1]
+    flat = packed.reshape(-1, PACKED_BYTES)
+    q = flat[:, :SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn).float().view(-1, NUM_TILES, TILE)
+    scale = flat[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view(torch.float32)  # [n, 4]
+    ckv = (q * scale[..., None]).view(-1, KV_LORA_RANK)
+    kpe = flat[:, ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([ckv, kpe], dim=-1).to(torch.bfloat16).to(dtype).view(*lead, D_QK)

@@ -182,6 +182,33 @@ def test_cuda_graph_replay_equals_eager(kv_kind, heads):
            list(range(bs)))
 
 
+@pytest.mark.parametrize("h", [16, 64])    # h 16: the Gluon FP8 kernel's bit trick; h 64: the tl kernel
+def test_fp8_subnormal_entries_count(h):
+    """Entries that quantize to e4m3 subnormals (|x| < 2^-6 * scale) keep their values: in each 128-column tile
+    one entry of 1 sets the scale and the others are ~1e-5, so every other output column is an average of
+    subnormal-derived values only. A kernel that flushes them (or a dequantizer that drops them) gives 0 there."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lens = [64, 200]
+    pages = 5
+    kv = (torch.rand(pages, 64, 576, device="cuda", generator=gen) - 0.5) * 6e-5
+    kv[..., 0:512:128] = 1.0
+    kv[..., 512:] = torch.randn(pages, 64, 64, device="cuda", generator=gen) * 0.1
+    packed = ops.quantize_kv_fp8(kv.bfloat16())
+    e4m3 = packed[..., :512].contiguous().view(torch.float8_e4m3fn).float().abs()
+    assert ((e4m3 > 0) & (e4m3 < 2 ** -6)).float().mean() > 0.5     # most entries are e4m3 subnormals
+    table = torch.tensor([[4, 0, 0, 0], [0, 1, 2, 3]], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 1, h, 576, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out, _ = ops.mla_decode(q, packed, table, seqlens, SCALE, head_dim_v=512, backend="triton")
+    ref, _ = reference.mla_decode(q.double(), ops.dequantize_kv_fp8(packed).double(), table, seqlens, SCALE)
+    small = torch.ones(512, dtype=torch.bool, device="cuda")
+    small[0::128] = False
+    x, y = out[..., small].double().flatten(), ref[..., small].double().flatten()
+    assert float(y.abs().max()) > 1e-6
+    cos = float(x @ y / (x.norm() * y.norm()))
+    assert cos > 0.999 and abs(float(x.norm() / y.norm()) - 1) < 1e-2, (cos, float(x.norm() / y.norm()))
+
+
 @pytest.mark.parametrize("prefix_lens,extend_lens", [([3000, 0, 700], [2, 2, 2]),    # rows packed as s_q = 2
                                                      ([500, 64], [5, 130])])          # one row per token
 def test_backend_extend_matches_torch_backend(prefix_lens, extend_lens):

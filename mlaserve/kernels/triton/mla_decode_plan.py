@@ -44,7 +44,8 @@ class MLADecodeConfig:
 # memory-bound at 87-96% of copy bandwidth with mma.sync, ahead of the Gluon kernel's padded 64-row tiles
 # (0.82-0.96x); from 17 rows the Gluon kernel (TMA ring, producer warp, wgmma) measured 1.14-1.23x the tl
 # kernel at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py, bench/NOTES.md item 27). FP8 KV up to 16
-# rows takes the Gluon FP8 kernel (keys on M; 1.14-1.41x the tl kernel, bench/NOTES.md item 31); from 17
+# rows takes the Gluon FP8 kernel (keys on M, each page dequantized into shared memory; 1.03-1.10x the bf16
+# cache, bench/NOTES.md item 35); from 17
 # rows the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
