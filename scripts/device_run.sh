@@ -25,7 +25,7 @@
 #                     the machine (phases cutedsl1 + cutedsl2 below); T_CUTEDSL 150 each, CUTEDSL_ARGS passed on
 #                     (CUTEDSL_SPARSE_ARGS, when set, to the sparse script instead: e.g. CUTEDSL_ARGS=--clusters
 #                     CUTEDSL_SPARSE_ARGS="" times the dense cluster sizes and runs every sparse check)
-#   phase "gluon"     scripts/gluon_check.py and scripts/gluon_fp8_check.py (the Gluon decodes, bf16 and FP8 KV,
+#   phase "gluon"     scripts/gluon_check.py and scripts/gluon_narrow_check.py (the Gluon decodes, bf16 and FP8 KV,
 #                     against the reference, timed beside the tl kernel) into gluon.log; T_GLUON 200 each
 #   phase "splits"    scripts/split_sweep.py (small-batch KV split counts, timed as the benchmark) for triton, then for
 #                     cutedsl where the DSL is on the machine, into splits.log; T_SPLITS 120 each
@@ -152,10 +152,10 @@ if has_phase cutedsl; then
   fi
 fi
 
-# -- the Gluon decodes (mla_decode_gluon.py, mla_decode_gluon_fp8.py): odd shapes against the reference, then timed --
+# -- the Gluon decodes (mla_decode_gluon.py, mla_decode_gluon_narrow.py): odd shapes against the reference, then timed --
 if has_phase gluon; then
   run_phase gluon-check "$(limit "${T_GLUON:-200}")" "$OUT/gluon.log" python3 scripts/gluon_check.py
-  run_phase gluon-fp8-check "$(limit "${T_GLUON:-200}")" "$OUT/gluon.log" python3 scripts/gluon_fp8_check.py
+  run_phase gluon-narrow-check "$(limit "${T_GLUON:-200}")" "$OUT/gluon.log" python3 scripts/gluon_narrow_check.py
   grep -E "^(PASS|FAIL)" "$OUT/gluon.log" | awk '{print $1, $2}' | sort | uniq -c | tee -a "$LOG"
   grep -E "^b[0-9]+ s_q[0-9]+ h[0-9]+ s_k[0-9]+:" "$OUT/gluon.log" | tee -a "$LOG"
 fi

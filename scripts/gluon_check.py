@@ -88,7 +88,7 @@ def timings() -> None:
 
 
 def main(doc: str = __doc__, check_fn=None, timings_fn=None) -> int:
-    """The command line of this script and of gluon_fp8_check.py: checks, then timings unless --quick."""
+    """The command line of this script and of gluon_narrow_check.py: checks, then timings unless --quick."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()

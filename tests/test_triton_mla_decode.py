@@ -101,6 +101,7 @@ def test_matches_reference(b, s_q, h, page_size, lens, num_splits, dtype):
     MLADecodeConfig(block_h=128, block_n=32, v_split=2),            # all rows in one block, padded
     MLADecodeConfig(block_h=16, block_n=16, num_warps=4, lazy_rescale=True),
     MLADecodeConfig(block_h=64, block_n=64, gluon=True),   # off Hopper: the tl kernel on the Gluon kernel's grid
+    MLADecodeConfig(block_h=16, block_n=64, num_stages=3, gluon=True),   # likewise for the keys-on-M kernel
 ])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_configs(config, num_splits):

@@ -98,7 +98,8 @@ CASES = [
     # rows per request that are no multiple of the Gluon kernel's 64-row tiles (padded, never stored)
     (5, 3, 5000, 20, "bf16", None),
     (6, 3, 3000, 128, "bf16", None),
-    # FP8 at <= 16 rows: the Gluon FP8 kernel (keys on M), split and not
+    # <= 16 rows: the keys-on-M Gluon kernel, bf16 and FP8, split and not
+    (3, 2, 5000, 8, "bf16", 2),
     (128, 1, 4096, 16, "fp8", None),
     (3, 2, 5000, 8, "fp8", 2),
     (5, 3, 3000, 5, "fp8", None),

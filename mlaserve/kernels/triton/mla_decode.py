@@ -403,11 +403,11 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
             mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,
                                               causal, plan, out, lse, stages=cfg.num_stages)
             return out, lse
-    if cfg.gluon and cfg.block_h == 16 and kv_fp8:
-        from mlaserve.kernels.triton import mla_decode_gluon_fp8
-        if mla_decode_gluon_fp8.supports(q, kv_cache, head_dim_v):
-            mla_decode_gluon_fp8.mla_decode_gluon_fp8(q, kv_cache, block_table, cache_seqlens.contiguous(),
-                                                      softmax_scale, causal, plan, out, lse)
+    if cfg.gluon and cfg.block_h == 16:
+        from mlaserve.kernels.triton import mla_decode_gluon_narrow
+        if mla_decode_gluon_narrow.supports(q, kv_cache, head_dim_v):
+            mla_decode_gluon_narrow.mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens.contiguous(),
+                                                            softmax_scale, causal, plan, out, lse)
             return out, lse
     if cfg.gluon and cfg.block_h == 64 and s_q * h <= 32:
         # no Gluon here: the tl kernel's own config for <= 32 rows (32-row blocks, 3 stages) on the same grid

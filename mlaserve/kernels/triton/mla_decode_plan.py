@@ -22,7 +22,7 @@ class MLADecodeConfig:
     lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
     gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
                                  # page-64 caches: mla_decode_gluon.py for bf16 KV in 64-row blocks,
-                                 # mla_decode_gluon_fp8.py for FP8 KV and <= 16 rows in 16-row blocks; else tl
+                                 # mla_decode_gluon_narrow.py for <= 16 rows in 16-row blocks; else tl
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -40,16 +40,16 @@ class MLADecodeConfig:
 
 # Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind): the winners of
 # scripts/tune_mla_decode.py's H200 sweep (bench/results/tune-mla-decode-h200-2026-11-30.json) for the tl
-# kernel, and the Gluon kernel from 17 rows up with bf16 KV. Up to 16 rows the tl kernel is
-# memory-bound at 87-96% of copy bandwidth with mma.sync, ahead of the Gluon kernel's padded 64-row tiles
-# (0.82-0.96x); from 17 rows the Gluon kernel (TMA ring, producer warp, wgmma) measured 1.14-1.23x the tl
-# kernel at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py, bench/NOTES.md item 27). FP8 KV up to 16
-# rows takes the Gluon FP8 kernel (keys on M, each page dequantized into shared memory; 1.03-1.10x the bf16
-# cache, bench/NOTES.md item 35); from 17
-# rows the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
+# kernel, and the Gluon kernels where they measured faster (bench/NOTES.md items 27, 35):
+# - up to 16 rows, bf16 and FP8 KV: the keys-on-M Gluon kernel (mla_decode_gluon_narrow.py), 1.06-1.14x the
+#   tl kernel's 87-96% of copy bandwidth with bf16 KV (scripts/gluon_narrow_check.py); the tl config below
+#   is its fallback off Hopper;
+# - from 17 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.14-1.23x the tl kernel
+#   at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py);
+# - from 17 rows, FP8 KV: the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
-    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3),
+    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3, gluon=True),
     (32, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),

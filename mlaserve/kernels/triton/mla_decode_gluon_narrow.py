@@ -1,30 +1,33 @@
-"""The MLA decode over the FP8 656-byte cache in Gluon for Hopper, keys on M, for up to 16 query rows per
-request (h 16 s_q 1, h 8 s_q 2, ...): what the triton backend runs for FP8 KV there (MLADecodeConfig.gluon
-with 16-row blocks; the tl kernel elsewhere, on the same grid).
+"""The MLA decode in Gluon for Hopper with the keys on wgmma's M side, for up to 16 query rows per request (h 16
+s_q 1, h 8 s_q 2, ...), over bf16 caches and the FP8 656-byte cache: what the triton backend runs there
+(MLADecodeConfig.gluon with 16-row blocks; the tl kernel elsewhere, on the same grid).
 
-It computes on the format's values (fp8_format: the bf16 nearest e4m3 x scale), as the reference does: each
-page is dequantized into a bf16 tile in shared memory, and every MMA is bf16 from shared memory.
+S^T = K Q^T and O^T = V^T P^T put a page's 64 keys on M and the 16 query rows on N, so no MMA pads 16 rows
+to 64. Every MMA is bf16 with both operands in shared memory. FP8 pages are computed on the format's values
+(fp8_format: the bf16 nearest e4m3 x scale), as the reference does: each page is dequantized into a bf16
+tile first.
 
 Layout:
-- a producer warp (warp_specialize worker) TMA-loads each page of the split as three boxes of the same cache
-  rows (e4m3 c_kv [64, 512] in four [64, 128] boxes, fp32 scales [64, 4], bf16 k_pe [64, 64]) into a
-  STAGES-deep ring on mbarriers;
+- a producer warp (warp_specialize worker) TMA-loads each page of the split into a STAGES-deep ring on
+  mbarriers: bf16 as eight [64, 64] boxes of c_kv and one of k_pe; FP8 as three boxes of the same cache
+  rows (e4m3 c_kv in four [64, 128] boxes, fp32 scales [64, 4], bf16 k_pe [64, 64]);
 - two compute warpgroups split the 512 c_kv columns in halves. Per page each one
-  - dequantizes its half into the shared bf16 tile (16-byte loads, a bit trick of 2 instructions per byte
-    and one bf16 multiply per pair, 32-byte stores),
-  - computes its partial S^T = K_half Q_half^T ([64 keys, 16 rows]: the keys on wgmma's M, the query rows
-    on N; warpgroup 0 adds k_pe q_pe^T) and frees the ring stage,
+  - FP8: dequantizes its half into the shared bf16 tile (16-byte loads, a bit trick of 2 instructions per
+    byte and one bf16 multiply per pair, 32-byte stores); bf16: the ring stage is the tile,
+  - computes its partial S^T = K_half Q_half^T ([64 keys, 16 rows]; warpgroup 0 adds k_pe q_pe^T),
   - exchanges the partials through shared memory (an mbarrier of 2 arrivals per page), so that both run the
     same online softmax along the keys,
   - and computes O^T_half += V^T_half P^T, V^T read MN-major from the same tile.
-  Both store their own 256 output columns; warpgroup 0 stores lse.
-Cache rows past the request's end get scale 0 (the bit trick makes every byte finite, NaN bytes included)
-and masked scores.
+  Both store their own 256 output columns; warpgroup 0 stores lse. An FP8 stage is freed once its half is
+  dequantized and S^T is done (3 stages fit beside the tile); a bf16 stage once O^T is done (2 stages).
+Cache rows past the request's end: FP8 gets scale 0 there (the bit trick makes every byte finite, NaN bytes
+included); bf16 zeroes them in the stage before use (NaN in unused slots); their scores are masked.
 
-Measured (H200, bench/NOTES.md item 35): 1.03-1.10x the bf16 cache at h 16 (b 128, s_k 4k-32k; b 1/4/16
-at 32k); the exact-scale kernel it replaces (scales applied after the MMAs, values off the format's) ran at
-0.65-0.69x. The page's dequantize, the exchange and the softmax run in series with the MMAs; overlapping the
-next page's dequantize with O^T measured 9% slower, and taking K from registers 10-15% slower.
+Measured (H200, scripts/gluon_narrow_check.py, bench/NOTES.md item 35), h 16, b 128 s_k 4k-32k and b 1/4/16 at
+32k: bf16 1.06-1.14x the tl kernel; FP8 1.03-1.10x the tl kernel's bf16 time, where the exact-scale kernel
+it replaces (scales applied after the MMAs, values off the format's) ran at 0.65-0.69x. The page's steps run
+in series: overlapping the next page's dequantize with O^T measured 9% slower, taking K from registers
+10-15% slower (branch wip/fp8-dequant-variants).
 """
 
 import torch
@@ -49,19 +52,26 @@ TWO_POW_120 = gl.constexpr(2.0 ** 120)
 
 @gluon.jit
 def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty, first_page,
-                    n_tiles, STAGES: gl.constexpr):
+                    n_tiles, STAGES: gl.constexpr, KV_FP8: gl.constexpr):
     """The producer warp: page t of the split into ring stage t % STAGES once the stage is free."""
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         row = gl.load(bt_row + first_page + t) * PAGE
         bar = ready.index(s)
-        mbarrier.expect(bar, PAGE * (D_V + 4 * 4 + D_PE * 2))
-        for g in gl.static_range(4):
-            tma.async_copy_global_to_shared(ckv_desc, [row, g * GROUP], bar,
-                                            ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1))
-        tma.async_copy_global_to_shared(sc_desc, [row, D_V // 4], bar, sc_smem.index(s))
-        tma.async_copy_global_to_shared(kpe_desc, [row, (D_V + 16) // 2], bar, kpe_smem.index(s))
+        if KV_FP8:
+            mbarrier.expect(bar, PAGE * (D_V + 4 * 4 + D_PE * 2))
+            for g in gl.static_range(4):
+                tma.async_copy_global_to_shared(ckv_desc, [row, g * GROUP], bar,
+                                                ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1))
+            tma.async_copy_global_to_shared(sc_desc, [row, D_V // 4], bar, sc_smem.index(s))
+            tma.async_copy_global_to_shared(kpe_desc, [row, (D_V + 16) // 2], bar, kpe_smem.index(s))
+        else:
+            mbarrier.expect(bar, PAGE * (D_V + D_PE) * 2)
+            for c in gl.static_range(D_V // D_PE):
+                tma.async_copy_global_to_shared(ckv_desc, [row, c * D_PE], bar,
+                                                ckv_smem.index(s).slice(c * D_PE, D_PE, dim=1))
+            tma.async_copy_global_to_shared(ckv_desc, [row, D_V], bar, kpe_smem.index(s))
 
 
 @gluon.jit
@@ -102,7 +112,7 @@ def _dequantize_group(ckv, sc, kbuf, g: gl.constexpr, n_valid, CVT: gl.constexpr
 @gluon.jit
 def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
-              CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
               W: gl.constexpr):
     """Compute warpgroup W: columns W * 256 .. W * 256 + 255 of every page (dequantize, partial S^T, O^T);
     S^T's two partials are exchanged through shared memory, so both warpgroups run the same softmax."""
@@ -128,20 +138,34 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         tok0 = start + t * PAGE
-        # -- this warpgroup's half of the page, dequantized into kbuf --
-        sc = sc_smem.index(s).load(SCL)
-        _dequantize_group(ckv_smem.index(s), sc, kbuf, 2 * W, seqlen - tok0, CVT, SCL)
-        _dequantize_group(ckv_smem.index(s), sc, kbuf, 2 * W + 1, seqlen - tok0, CVT, SCL)
-        fence_async_shared()
-        gl.thread_barrier()
+        if KV_FP8:
+            # -- this warpgroup's half of the page, dequantized into kbuf --
+            sc = sc_smem.index(s).load(SCL)
+            _dequantize_group(ckv_smem.index(s), sc, kbuf, 2 * W, seqlen - tok0, CVT, SCL)
+            _dequantize_group(ckv_smem.index(s), sc, kbuf, 2 * W + 1, seqlen - tok0, CVT, SCL)
+            fence_async_shared()
+            gl.thread_barrier()
+            kv = kbuf
+        else:
+            kv = ckv_smem.index(s)
+            if tok0 + PAGE > seqlen:
+                # cache rows past the request's end (NaN in unused slots) zeroed in this half: P^T V^T reads them
+                keep = (gl.arange(0, PAGE, gl.SliceLayout(1, CVT)) < seqlen - tok0)[:, None]
+                for c in gl.static_range(HALF // D_PE):
+                    box = kv.slice(W * HALF + c * D_PE, D_PE, dim=1)
+                    y = box.load(CVT)
+                    box.store(gl.where(keep, y, gl.zeros_like(y)))
+                fence_async_shared()
+                gl.thread_barrier()
         # -- partial S^T over these columns (and k_pe q_pe^T in warpgroup 0) --
-        acc = warpgroup_mma(kbuf.slice(W * HALF, HALF, dim=1), q_smem.slice(W * HALF, HALF, dim=1).permute((1, 0)),
+        acc = warpgroup_mma(kv.slice(W * HALF, HALF, dim=1), q_smem.slice(W * HALF, HALF, dim=1).permute((1, 0)),
                             zero_s, use_acc=False, is_async=True)
         if W == 0:
             acc = warpgroup_mma(kpe_smem.index(s), qpe_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
-        mbarrier.arrive(empty.index(s))           # the raw stage is done with (the ring has 2 arrivals a fill)
+        if KV_FP8:
+            mbarrier.arrive(empty.index(s))       # the raw stage is done with (the ring has 2 arrivals a fill)
         # -- exchange the partials: S^T = warpgroup 0's + warpgroup 1's, the same sum in both --
         x = t % 2
         xbuf.index(2 * x + W).store(acc)
@@ -168,12 +192,14 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
         fence_async_shared()
         gl.thread_barrier()
         # -- O^T of this warpgroup's two column groups: V^T from kbuf (MN-major), P^T from shared memory --
-        o0 = warpgroup_mma(kbuf.slice(W * HALF, GROUP, dim=1).permute((1, 0)), pt, o0 * alpha[None, :],
+        o0 = warpgroup_mma(kv.slice(W * HALF, GROUP, dim=1).permute((1, 0)), pt, o0 * alpha[None, :],
                            is_async=True)
-        o1 = warpgroup_mma(kbuf.slice(W * HALF + GROUP, GROUP, dim=1).permute((1, 0)), pt, o1 * alpha[None, :],
+        o1 = warpgroup_mma(kv.slice(W * HALF + GROUP, GROUP, dim=1).permute((1, 0)), pt, o1 * alpha[None, :],
                            is_async=True)
         o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
         gl.thread_barrier()                       # kbuf and P^T are free for the next page
+        if not KV_FP8:
+            mbarrier.arrive(empty.index(s))       # the stage is done with (the ring has 2 arrivals a fill)
 
     inv_l, lse = finish_rows(m_i, gl.sum(l_acc, 0), ROW_S)
     row_ok = rows < ROWS
@@ -191,10 +217,11 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
 @gluon.jit
 def _second_consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                      seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
-                     stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr):
+                     stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                     KV_FP8: gl.constexpr):
     _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
-              CAUSAL, IS_SPLIT, STAGES, 1)
+              CAUSAL, IS_SPLIT, STAGES, KV_FP8, 1)
 
 
 @gluon.jit
@@ -213,9 +240,10 @@ def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_pt
 
 
 @gluon.jit
-def _mla_decode_fp8_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
+def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
                            qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb, stride_pob, stride_pos,
-                           CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr):
+                           CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                           KV_FP8: gl.constexpr):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp. q [b, ROWS, 576] bf16 (row = token j * H +
     head, ROWS <= 16); the cache as [pages * 64, 656] bytes behind three descriptors. out [b * ROWS, 512] bf16,
     lse [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
@@ -241,10 +269,15 @@ def _mla_decode_fp8_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_p
     SC_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     PT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, ROWS_PAD], gl.bfloat16)
     X_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D_V], CKV_SMEM)
-    sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE, 4], SC_SMEM)
+    if KV_FP8:
+        ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D_V], CKV_SMEM)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE, 4], SC_SMEM)
+        kbuf = gl.allocate_shared_memory(gl.bfloat16, [PAGE, D_V], SMEM16)
+    else:
+        ckv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D_V], SMEM16)
+        sc_smem = ckv_smem        # unused
+        kbuf = ckv_smem           # unused: the stage is the bf16 tile
     kpe_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D_PE], SMEM16)
-    kbuf = gl.allocate_shared_memory(gl.bfloat16, [PAGE, D_V], SMEM16)
     pt_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, ROWS_PAD], PT_SMEM)
     xbuf = gl.allocate_shared_memory(gl.float32, [4, PAGE, ROWS_PAD], X_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -262,29 +295,30 @@ def _mla_decode_fp8_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_p
     gl.warp_specialize(
         [(_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                       seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
-                      stride_pos, CAUSAL, IS_SPLIT, STAGES, 0)),
+                      stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, 0)),
          (_second_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                              seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-                             stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES)),
+                             stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8)),
          (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
-                            start // PAGE, n_tiles, STAGES))],
+                            start // PAGE, n_tiles, STAGES, KV_FP8))],
         [4, 1], [168, 24])
 
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
-    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 FP8 cache, <= 16 query rows per
-    request, bf16 q with d_qk 576, d_v 512."""
+    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 cache (FP8 or bf16), <= 16 query
+    rows per request, bf16 q with d_qk 576, d_v 512."""
     b, s_q, h, d_qk = q.shape
-    return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
-            and kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3 and kv_cache.is_contiguous()
-            and kv_cache.shape[1] == PAGE.value and kv_cache.shape[2] == ROW_BYTES.value
+    fp8 = kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3 and kv_cache.shape[2] == ROW_BYTES.value
+    bf16 = kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 3 and kv_cache.shape[2] == D_V.value + D_PE.value
+    return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9 and (fp8 or bf16)
+            and kv_cache.is_contiguous() and kv_cache.shape[1] == PAGE.value
             and s_q * h <= ROWS_PAD.value and q.dtype == torch.bfloat16 and d_qk == D_V.value + D_PE.value
             and head_dim_v == D_V.value)
 
 
-def mla_decode_gluon_fp8(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
-                         stages: int = 3) -> None:
+def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
+                         stages: int | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
     (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16-row programs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -293,20 +327,26 @@ def mla_decode_gluon_fp8(q, kv_cache, block_table, cache_seqlens, softmax_scale,
     assert fp8_format.PACKED_BYTES == ROW_BYTES.value
     b, s_q, h, _ = q.shape
     rows, page = s_q * h, PAGE.value
-    flat = kv_cache.view(-1, ROW_BYTES.value)
-    ckv_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    sc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    kpe_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ckv_desc = TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [page, GROUP.value], ckv_layout)
-    sc_desc = TensorDescriptor.from_tensor(flat.view(torch.float32), [page, 4], sc_layout)
-    kpe_desc = TensorDescriptor.from_tensor(flat.view(torch.bfloat16), [page, D_PE.value], kpe_layout)
+    kv_fp8 = kv_cache.dtype == torch.uint8
+    if kv_fp8:
+        flat = kv_cache.view(-1, ROW_BYTES.value)
+        ckv_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        sc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        kpe_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        ckv_desc = TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [page, GROUP.value], ckv_layout)
+        sc_desc = TensorDescriptor.from_tensor(flat.view(torch.float32), [page, 4], sc_layout)
+        kpe_desc = TensorDescriptor.from_tensor(flat.view(torch.bfloat16), [page, D_PE.value], kpe_layout)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        ckv_desc = sc_desc = kpe_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, D_V.value + D_PE.value),
+                                                                     [page, D_PE.value], layout)
     qc = q.contiguous()
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)
-    _mla_decode_fp8_kernel[(b, plan.num_splits)](
+    _mla_decode_narrow_kernel[(b, plan.num_splits)](
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
         softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows, qc.stride(0), block_table.stride(0),
         po.stride(0), po.stride(1),
-        CAUSAL=causal, IS_SPLIT=split, STAGES=stages, num_warps=4)
+        CAUSAL=causal, IS_SPLIT=split, STAGES=stages or (3 if kv_fp8 else 2), KV_FP8=kv_fp8, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
