@@ -8,6 +8,7 @@ before each replay, median).
     python scripts/split_sweep.py --backend triton --fp8
     python scripts/split_sweep.py --backend triton --configs --shapes "b4 h16,b1 h16"
     python scripts/split_sweep.py --backend triton --shapes "b128 h64 sk4096 var"
+    python scripts/split_sweep.py --backend triton --shapes "b1 h16" --counts 33,44,66   # these counts only
 
 Shapes: "bB hH [skS] [var]" (s_q 1, page 64, s_k 32768 and fixed lengths unless given); by default b 1/4/16 x
 h 128/64/16. Small batches try the counts that put 0.5 .. 3 waves of programs on the SMs, those that fill
@@ -60,7 +61,7 @@ def _tag(config, default) -> str:
     return f"H{config.block_h} N{config.block_n} w{config.num_warps} st{config.num_stages}"
 
 
-def sweep(backend: str, kv_fp8: bool, shapes: str, configs: bool) -> None:
+def sweep(backend: str, kv_fp8: bool, shapes: str, configs: bool, only_counts: list[int] | None = None) -> None:
     mod, blocks = _backend(backend)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -85,6 +86,8 @@ def sweep(backend: str, kv_fp8: bool, shapes: str, configs: bool) -> None:
             else:
                 counts = {planned} | {max(1, min(128, round(k * sms / programs))) for k in (0.5, 0.75, 1, 1.5, 2, 3)}
                 counts |= {n for n in range(1, 129) if programs * n in (sms - 4, sms, 2 * sms)}
+            if only_counts:
+                counts = set(only_counts)
             for n in sorted(set(counts) | {planned}):
                 plan = mod.plan_mla_decode(b, 1, h, 512, max_pages, 64, kv_fp8, dev, num_splits=n, config=config)
                 calls = [lambda q=q, kv=kv: mod.mla_decode(q, kv, p.block_table, p.seqlens, di.scale, plan=plan)
@@ -109,9 +112,11 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="FP8 KV (the 656-byte format)")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help='comma list of "bB hH [skS] [var]"')
     ap.add_argument("--configs", action="store_true", help="triton: also the tl configs worth trying at <= 16 rows")
+    ap.add_argument("--counts", default="", help="comma list of split counts to time instead of the default ones "
+                                                 "(the planner's is always timed)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    sweep(args.backend, args.fp8, args.shapes, args.configs)
+    sweep(args.backend, args.fp8, args.shapes, args.configs, [int(c) for c in args.counts.split(",") if c])
     return 0
 
 

@@ -203,22 +203,25 @@ def test_num_splits_from_shapes_only():
     assert choose_num_splits(1, 1, 16, 512, 64, cpu, cfg) == many                # deterministic
 
 
-@pytest.mark.parametrize("programs, units, min_units, want", [
-    (1, 512, 4, 128),   # 512 KV tiles: 128 splits of 4 fill 128 of the 132 SMs
-    (2, 512, 4, 64),    # 66 would fit too, but 512 tiles cut into 66 runs of 8 leave 2 splits empty
-    (4, 512, 4, 32),
-    (8, 512, 4, 16),
-    (32, 512, 4, 4),
-    (1, 512, 8, 64),    # the floor on a split's length caps the count
-    (1, 6, 4, 1),       # 6 tiles cannot make two splits of >= 4
-    (106, 512, 4, 1),   # >= 80% of the SMs busy without splitting
-    (0, 512, 4, 1),
+@pytest.mark.parametrize("programs, units, min_units, want, max_splits", [
+    (1, 512, 4, 64, 64),    # a cap on the count: 64 splits of 8
+    (1, 200, 4, 50, 64),    # under the cap: 50 splits of 4
+    (1, 512, 4, 128, 128),   # 512 KV tiles: 128 splits of 4 fill 128 of the 132 SMs
+    (2, 512, 4, 64, 128),    # 66 would fit too, but 512 tiles cut into 66 runs of 8 leave 2 splits empty
+    (4, 512, 4, 32, 128),
+    (8, 512, 4, 16, 128),
+    (32, 512, 4, 4, 128),
+    (1, 512, 8, 64, 128),    # the floor on a split's length caps the count
+    (1, 6, 4, 1, 128),       # 6 tiles cannot make two splits of >= 4
+    (106, 512, 4, 1, 128),   # >= 80% of the SMs busy without splitting
+    (0, 512, 4, 1, 128),
 ])
-def test_full_wave_splits(programs, units, min_units, want):
-    n = full_wave_splits(programs, 132, units, min_units)
+def test_full_wave_splits(programs, units, min_units, want, max_splits):
+    n = full_wave_splits(programs, 132, units, min_units, max_splits)
     assert n == want
     per = -(-units // n)
     assert n == 1 or (programs * n <= 132 and per >= min_units and -(-units // per) == n)   # no empty split
+    assert n <= max_splits
 
 
 def test_plan_shares_a_workspace_and_checks_it():

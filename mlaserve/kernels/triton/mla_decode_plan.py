@@ -12,13 +12,14 @@ _MAX_SPLITS = 128
 
 @dataclass(frozen=True)
 class MLADecodeConfig:
-    """Kernel knobs (all compile-time except min_split_tokens)."""
+    """Kernel knobs (all compile-time except min_split_tokens and max_splits)."""
     block_h: int = 64            # query rows (heads x new tokens) per program: 16, 32, 64; 128 with v_split=2
     block_n: int = 64            # cached tokens per step
     v_split: int = 1             # programs per query block, each owning 1/v_split of V: 1 or 2
     num_warps: int = 8
     num_stages: int = 2          # software pipelining: KV tiles in flight (wgmma: num_stages, mma.sync: - 1)
     min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
+    max_splits: int = _MAX_SPLITS  # at most this many KV splits per request (the combine reads them in series)
     lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
     gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
                                  # page-64 caches: mla_decode_gluon.py for bf16 KV in 64-row blocks,
@@ -36,6 +37,8 @@ class MLADecodeConfig:
                              f"launches the same grid), got {self}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.min_split_tokens < 1:
             raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
+        if not 1 <= self.max_splits <= _MAX_SPLITS:
+            raise ValueError(f"max_splits must be in [1, {_MAX_SPLITS}], got {self.max_splits}")
 
 
 # Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind): the winners of
@@ -43,13 +46,15 @@ class MLADecodeConfig:
 # kernel, and the Gluon kernels where they measured faster (bench/NOTES.md items 27, 35):
 # - up to 16 rows, bf16 and FP8 KV: the keys-on-M Gluon kernel (mla_decode_gluon_narrow.py), 1.06-1.14x the
 #   tl kernel's 87-96% of copy bandwidth with bf16 KV (scripts/gluon_narrow_check.py); the tl config below
-#   is its fallback off Hopper;
+#   is its fallback off Hopper. With bf16 KV at most 64 splits: b 1 h 16 s_k 32768 ran 30.8 us with 64
+#   against 34.0 with 128 (scripts/split_sweep.py); b 4/16 and FP8 KV keep their one-wave counts;
 # - from 17 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.14-1.23x the tl kernel
 #   at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py);
 # - from 17 rows, FP8 KV: the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
-    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3, gluon=True),
+    (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3, gluon=True,
+                                  max_splits=64),
     (32, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
@@ -75,13 +80,14 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the CPU interpreter: small, so that tests see splitting happen
 
 
-def full_wave_splits(programs: int, sms: int, units: int, min_units: int) -> int:
+def full_wave_splits(programs: int, sms: int, units: int, min_units: int, max_splits: int = _MAX_SPLITS) -> int:
     """KV splits per request for `programs` programs per split, a request's KV being `units` split units
     (the kernel's granularity: KV tiles or pages) of the block table's capacity.
 
     One split when the programs come near filling the SMs. Otherwise the fewest units per split, at least
-    `min_units` (and at most units // min_units splits, so that the last one is not a sliver), that keep
-    every program in one wave (programs x splits <= sms), and then the fewest splits of that size, so that
+    `min_units` (and at most units // min_units splits, so that the last one is not a sliver, and at most
+    `max_splits`), that keep every program in one wave (programs x splits <= sms), and then the fewest
+    splits of that size, so that
     no split is left empty: 512 pages at one program -> 128 splits of 4 pages, at 2 programs 64 of 8 (66
     splits would also fit the 132 SMs, but 512 pages cut into 66 runs of whole pages are 64 runs of 8 and
     2 empty ones). scripts/split_sweep.py on the H200 (b 1/4/16 x h 16/64/128, s_k 32768,
@@ -91,7 +97,7 @@ def full_wave_splits(programs: int, sms: int, units: int, min_units: int) -> int
     """
     if programs == 0 or programs >= 0.8 * sms:
         return 1
-    cap = min(_MAX_SPLITS, units // max(1, min_units))
+    cap = min(max_splits, units // max(1, min_units))
     for per in range(max(1, min_units), units + 1):
         n = -(-units // per)
         if n <= cap and programs * n <= sms:
@@ -104,10 +110,11 @@ def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, 
                       config: MLADecodeConfig) -> int:
     """KV splits per request, from shapes only (CUDA-graph safe): `full_wave_splits` over KV tiles of
     `config.block_n` tokens, every split at least `config.min_split_tokens` of the block table's capacity
-    (so that pipeline warm-up and the partial outputs the combine reads stay small against the KV)."""
+    (so that pipeline warm-up and the partial outputs the combine reads stay small against the KV) and at most
+    `config.max_splits`."""
     programs = b * triton.cdiv(s_q * h, config.block_h) * config.v_split
     return full_wave_splits(programs, _num_sms(device), triton.cdiv(max_pages * page_size, config.block_n),
-                            triton.cdiv(config.min_split_tokens, config.block_n))
+                            triton.cdiv(config.min_split_tokens, config.block_n), config.max_splits)
 
 
 @dataclass
