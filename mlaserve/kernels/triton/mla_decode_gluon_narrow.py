@@ -114,8 +114,9 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
               W: gl.constexpr):
-    """Compute warpgroup W: columns W * 256 .. W * 256 + 255 of every page (dequantize, partial S^T, O^T);
-    S^T's two partials are exchanged through shared memory, so both warpgroups run the same softmax."""
+    """Compute warpgroup W: columns W * 256 .. W * 256 + 255 of every page (FP8: dequantized into kbuf; partial
+    S^T; O^T); S^T's two partials are exchanged through shared memory, so both warpgroups run the same softmax.
+    Stores its 256 output columns (warpgroup 0 the lse too)."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS_PAD, 16])
     KEY_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)     # per key (M) of S^T
@@ -219,6 +220,7 @@ def _second_consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_sme
                      seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
                      stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
                      KV_FP8: gl.constexpr):
+    """The worker partition's entry: _consumer as warpgroup 1."""
     _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL, IS_SPLIT, STAGES, KV_FP8, 1)
@@ -240,25 +242,23 @@ def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_pt
 
 
 @gluon.jit
-def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
-                           qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb, stride_pob, stride_pos,
-                           CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                           KV_FP8: gl.constexpr):
+def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
+                              pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb, stride_pob,
+                              stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                              KV_FP8: gl.constexpr):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp. q [b, ROWS, 576] bf16 (row = token j * H +
-    head, ROWS <= 16); the cache as [pages * 64, 656] bytes behind three descriptors. out [b * ROWS, 512] bf16,
-    lse [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
+    head, ROWS <= 16); the cache behind its descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of
+    a row), bf16 as [pages * 64, 576] (one, [64, 64] boxes). out [b * ROWS, 512] bf16, lse [b * ROWS]; with
+    splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     b = gl.program_id(0)
     split = gl.program_id(1)
-    seqlen = gl.load(seqlens_ptr + b)
-    split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), PAGE) * PAGE
-    start = split * split_len
-    n_tiles = gl.maximum(gl.cdiv(gl.minimum(start + split_len, seqlen) - start, PAGE), 0)
+    qr = gl.arange(0, ROWS_PAD, gl.SliceLayout(1, QL))
+    _, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, qr, H, S_Q, CAUSAL)
 
     SMEM16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS_PAD, D_V], SMEM16)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS_PAD, D_PE], SMEM16)
-    qr = gl.arange(0, ROWS_PAD, gl.SliceLayout(1, QL))
     q_rows = q_ptr + b.to(gl.int64) * stride_qb + qr * (D_V + D_PE)
     q_smem.store(gl.load(q_rows[:, None] + gl.arange(0, D_V, gl.SliceLayout(0, QL))[None, :],
                          mask=(qr < ROWS)[:, None], other=0.0))
