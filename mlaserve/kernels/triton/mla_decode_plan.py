@@ -89,10 +89,10 @@ def full_wave_splits(programs: int, sms: int, units: int, min_units: int, max_sp
     `max_splits`), that keep every program in one wave (programs x splits <= sms), and then the fewest
     splits of that size, so that no split is left empty: 512 pages at one program -> 128 splits of 4
     pages, at 2 programs 64 of 8 (66 splits would also fit the 132 SMs, but 512 pages cut into 66 runs of
-    whole pages are 64 runs of 8 and 2 empty ones). scripts/split_sweep.py on the H200 (b 1/4/16 x h 16/64/128, s_k 32768,
-    bench/NOTES.md item 22) measured this count the fastest at all nine shapes for the Triton kernel, where
-    the rule it replaces (the smallest count within 85% of the best wave efficiency) picked 57, 109 and 29
-    splits at b 1 h 128, b 1 h 16/64 and b 4 h 16/64, 6-12% slower.
+    whole pages are 64 runs of 8 and 2 empty ones). scripts/split_sweep.py on the H200 (b 1/4/16 x
+    h 16/64/128, s_k 32768, bench/NOTES.md item 22) measured this count the fastest at all nine shapes for
+    the Triton kernel, where the rule it replaces (the smallest count within 85% of the best wave
+    efficiency) picked 57, 109 and 29 splits at b 1 h 128, b 1 h 16/64 and b 4 h 16/64, 6-12% slower.
     """
     if programs == 0 or programs >= 0.8 * sms:
         return 1
