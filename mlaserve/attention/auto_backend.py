@@ -10,7 +10,10 @@ h200-20261130-0081d29e95a6.json):
   (b 1/4/16 at s_k 32768: 1.03-1.04/1.14-1.20/1.08-1.09x over the two runs); elsewhere the CuTe DSL kernel
   is level or faster at h16-h64 (1.00-1.14x), and at h128 b128 the two trade places from run to run
   (0.95-1.07x in one, 0.87-1.02x in the other), so those stay; FlashInfer cannot read the FP8 cache;
-- against `triton`, FlashInfer and the CuTe DSL kernel win from 32 rows on (Triton at 0.5-0.75x).
+- against `triton`, FlashInfer and the CuTe DSL kernel win from 32 rows on (Triton at 0.88-1.00x FlashInfer
+  at h 32/64 and 0.76-0.88x at h 128, bench/results/h200-20261130-f7bc53e.json); up to 16 rows Triton's
+  keys-on-M kernel is 1.01-1.11x FlashInfer (b 128, b 16) and 1.07-1.71x at b 4/1, so it keeps them. The
+  CuTe DSL kernel has not been timed beside that kernel: at <= 16 rows `cutedsl_mla` stays the primary.
 Peers have no DSA kernels or FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
 
