@@ -63,13 +63,13 @@ def _load_partition(q_desc, kv_desc, bt_row, q_smem, qpe_smem, kv_smem, kpe_smem
 
 
 @gluon.jit
-def _zero_rows_from(kv, first):
-    """Zero rows first .. PAGE - 1 of a stage's c_kv [PAGE, 512] in shared memory, box by box (8 warps)."""
-    ZL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
-    keep = (gl.arange(0, PAGE, gl.SliceLayout(1, ZL)) < first)[:, None]
-    for c in gl.static_range(NBOX):
-        box = kv.slice(c * BOX, BOX, dim=1)
-        x = box.load(ZL)
+def zero_rows_from(kv, first, col0: gl.constexpr, ncols: gl.constexpr, LAYOUT: gl.constexpr):
+    """Zero rows first .. PAGE - 1 of columns col0 .. col0 + ncols - 1 of a stage's c_kv [PAGE, 512] in
+    shared memory, one 64-column box at a time, loaded and stored in LAYOUT."""
+    keep = (gl.arange(0, PAGE, gl.SliceLayout(1, LAYOUT)) < first)[:, None]
+    for c in gl.static_range(ncols // BOX):
+        box = kv.slice(col0 + c * BOX, BOX, dim=1)
+        x = box.load(LAYOUT)
         box.store(gl.where(keep, x, gl.zeros_like(x)))
 
 
@@ -107,7 +107,8 @@ def _compute_partition(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready
         l_acc = l_acc * alpha[:, None] + p
         m_i = m_new
         if tok0 + PAGE > seqlen:
-            _zero_rows_from(kv, seqlen - tok0)    # S is done with them: they are masked keys
+            # S is done with them: they are masked keys (8 warps, a box at a time)
+            zero_rows_from(kv, seqlen - tok0, 0, D_V, gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0]))
         p_smem.store(p.to(DTYPE))
         fence_async_shared()
         gl.thread_barrier()                       # P (and zeroed V rows) in place for both warpgroups' wgmma

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from mlaserve.kernels import fp8_format
-from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility
+from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility, zero_rows_from
 
 ROWS_PAD = gl.constexpr(16)   # query rows per CTA: the MMA's N
 PAGE = gl.constexpr(64)       # cached tokens per page = per step = the MMA's M
@@ -151,11 +151,7 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
             kv = ckv_smem.index(s)
             if tok0 + PAGE > seqlen:
                 # cache rows past the request's end (NaN in unused slots) zeroed in this half: P^T V^T reads them
-                keep = (gl.arange(0, PAGE, gl.SliceLayout(1, CVT)) < seqlen - tok0)[:, None]
-                for c in gl.static_range(HALF // D_PE):
-                    box = kv.slice(W * HALF + c * D_PE, D_PE, dim=1)
-                    y = box.load(CVT)
-                    box.store(gl.where(keep, y, gl.zeros_like(y)))
+                zero_rows_from(kv, seqlen - tok0, W * HALF, HALF, CVT)
                 fence_async_shared()
                 gl.thread_barrier()
         # -- partial S^T over these columns (and k_pe q_pe^T in warpgroup 0) --
