@@ -30,13 +30,14 @@ from mlaserve.kernels import fp8_format
 tk = importlib.import_module("mlaserve.kernels.triton.mla_decode")
 KERNELS = {m.rsplit(".", 1)[-1]: importlib.import_module(m) for m in os.environ.get(
     "NARROW_KERNELS", "mlaserve.kernels.triton.mla_decode_gluon_narrow").split(",")}
-CONFIG = tk.MLADecodeConfig(block_h=16, block_n=64, num_stages=2)
+CONFIGS = {16: tk.MLADecodeConfig(block_h=16, block_n=64, num_stages=2),
+           32: tk.MLADecodeConfig(block_h=32, block_n=64, num_stages=2)}
 
 
 def run(q, kv, table, seqlens, causal=True, num_splits=None, gk=None):
     b, s_q, h, _ = q.shape
     plan = tk.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, kv.dtype == torch.uint8, q.device,
-                              num_splits=num_splits, config=CONFIG)
+                              num_splits=num_splits, config=CONFIGS[16 if s_q * h <= 16 else 32])
     out = torch.empty(b, s_q, h, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
     (gk or next(iter(KERNELS.values()))).mla_decode_gluon_narrow(q, kv, table, seqlens, SCALE, causal, plan, out,
@@ -48,7 +49,10 @@ def check() -> int:
     cases = [([1], 1, 16, True, None), ([64], 1, 16, True, 1), ([65], 2, 8, True, 1), ([4096], 1, 16, True, None),
              ([777, 1, 64, 3000], 2, 8, True, None), ([777, 1, 64, 3000], 1, 16, False, 1),
              ([5, 300, 64, 129], 1, 16, True, 3), ([2000, 0, 70, 4096], 1, 16, True, 4),
-             ([1000 + 31 * i for i in range(128)], 1, 16, True, None), ([100, 1, 3000], 3, 5, True, None)]
+             ([1000 + 31 * i for i in range(128)], 1, 16, True, None), ([100, 1, 3000], 3, 5, True, None),
+             # 17-32 rows: N = 32
+             ([777, 1, 64, 3000], 1, 32, True, None), ([777, 1, 64, 3000], 2, 16, True, 2),
+             ([2000, 0, 70, 4096], 3, 10, False, 3), ([1000 + 31 * i for i in range(64)], 1, 32, True, None)]
     failed = 0
     for name, gk in KERNELS.items():
         print(f"-- {name}, bf16", flush=True)
@@ -64,6 +68,7 @@ def timings() -> None:
     copy_bytes = 256 << 20
     shapes = [(128, 1, 16, s_k) for s_k in (4096, 8192, 32768)] + [(128, 2, 8, 8192)]
     shapes += [(b, 1, 16, 32768) for b in (1, 4, 16)]
+    shapes += [(128, 1, 32, s_k) for s_k in (4096, 32768)] + [(128, 2, 16, 8192), (4, 1, 32, 32768)]
     for b, s_q, h, s_k in shapes:
         pages = b * s_k // 64
         n = max(1, min(8, -(-copy_bytes // (pages * 64 * 576 * 2))))

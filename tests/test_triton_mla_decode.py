@@ -236,8 +236,8 @@ def test_plan_shares_a_workspace_and_checks_it():
         plan_mla_decode(4, 2, 3, 64, 10, 16, False, "cpu", num_splits=0)
     with pytest.raises(ValueError, match="block_n"):
         MLADecodeConfig(block_n=48)
-    with pytest.raises(ValueError, match="gluon takes block_h 16 or 64"):
-        MLADecodeConfig(block_h=32, gluon=True)
+    with pytest.raises(ValueError, match="gluon takes block_h 16, 32 or 64"):
+        MLADecodeConfig(block_h=128, v_split=2, gluon=True)
     # a plan serves any batch up to its own, with the same rows
     gen = torch.Generator().manual_seed(9)
     kv, table, seqlens = make_paged([33, 12], 16, 80, torch.float16, gen)

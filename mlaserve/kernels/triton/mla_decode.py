@@ -403,7 +403,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
             mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,
                                               causal, plan, out, lse, stages=cfg.num_stages)
             return out, lse
-    if cfg.gluon and cfg.block_h == 16:
+    if cfg.gluon and cfg.block_h in (16, 32):
         from mlaserve.kernels.triton import mla_decode_gluon_narrow
         if mla_decode_gluon_narrow.supports(q, kv_cache, head_dim_v):
             mla_decode_gluon_narrow.mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens.contiguous(),

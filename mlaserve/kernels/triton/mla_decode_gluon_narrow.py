@@ -1,9 +1,9 @@
-"""The MLA decode in Gluon for Hopper with the keys on wgmma's M side, for up to 16 query rows per request (h 16
-s_q 1, h 8 s_q 2, ...), over bf16 caches and the FP8 656-byte cache: what the triton backend runs there
-(MLADecodeConfig.gluon with 16-row blocks; the tl kernel elsewhere, on the same grid).
+"""The MLA decode in Gluon for Hopper with the keys on wgmma's M side, for up to 32 query rows per request (h 16
+s_q 1, h 32 s_q 1, h 16 s_q 2, ...), over bf16 caches and the FP8 656-byte cache: what the triton backend runs
+there (MLADecodeConfig.gluon with 16- or 32-row blocks; the tl kernel elsewhere, on the same grid).
 
-S^T = K Q^T and O^T = V^T P^T put a page's 64 keys on M and the 16 query rows on N, so no MMA pads 16 rows
-to 64. Every MMA is bf16 with both operands in shared memory. FP8 pages are computed on the format's values
+S^T = K Q^T and O^T = V^T P^T put a page's 64 keys on M and the query rows on N (BLOCK_R = 16 or 32), so no
+MMA pads 16 or 32 rows to 64. Every MMA is bf16 with both operands in shared memory. FP8 pages are computed on the format's values
 (fp8_format: the bf16 nearest e4m3 x scale), as the reference does: each page is dequantized into a bf16
 tile first.
 
@@ -14,18 +14,20 @@ Layout:
 - two compute warpgroups split the 512 c_kv columns in halves. Per page each one
   - FP8: dequantizes its half into the shared bf16 tile (16-byte loads, a bit trick of 2 instructions per
     byte and one bf16 multiply per pair, 32-byte stores); bf16: the ring stage is the tile,
-  - computes its partial S^T = K_half Q_half^T ([64 keys, 16 rows]; warpgroup 0 adds k_pe q_pe^T),
+  - computes its partial S^T = K_half Q_half^T ([64 keys, BLOCK_R rows]; warpgroup 0 adds k_pe q_pe^T),
   - exchanges the partials through shared memory (an mbarrier of 2 arrivals per page), so that both run the
     same online softmax along the keys,
   - and computes O^T_half += V^T_half P^T, V^T read MN-major from the same tile.
   Both store their own 256 output columns; warpgroup 0 stores lse. An FP8 stage is freed once its half is
-  dequantized and S^T is done (3 stages fit beside the tile); a bf16 stage once O^T is done (2 stages).
+  dequantized and S^T is done (3 stages fit beside the tile at 16 rows, 2 at 32); a bf16 stage once O^T is
+  done (2 stages).
 Cache rows past the request's end: FP8 gets scale 0 there (the bit trick makes every byte finite, NaN bytes
 included); bf16 zeroes them in the stage before use (NaN in unused slots); their scores are masked.
 
 Measured (H200, scripts/gluon_narrow_check.py, bench/NOTES.md item 35), h 16, b 128 s_k 4k-32k and b 1/4/16 at
 32k: bf16 1.06-1.14x the tl kernel; FP8 1.03-1.10x the tl kernel's bf16 time, where the exact-scale kernel
-it replaces (scales applied after the MMAs, values off the format's) ran at 0.65-0.69x. The page's steps run
+it replaces (scales applied after the MMAs, values off the format's) ran at 0.65-0.69x. h 32 (N = 32), b 128
+s_k 4k-32k: bf16 1.35-1.39x the tl kernel and 1.14x the 64-row Gluon kernel; FP8 0.83-0.86x its bf16. The page's steps run
 in series: overlapping the next page's dequantize with O^T measured 9% slower, taking K from registers
 10-15% slower (branch wip/fp8-dequant-variants).
 """
@@ -39,7 +41,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility, zero_rows_from
 
-ROWS_PAD = gl.constexpr(16)   # query rows per CTA: the MMA's N
 PAGE = gl.constexpr(64)       # cached tokens per page = per step = the MMA's M
 D_V = gl.constexpr(512)
 GROUP = gl.constexpr(128)     # columns per FP8 scale
@@ -47,6 +48,7 @@ HALF = gl.constexpr(256)      # columns per compute warpgroup
 D_PE = gl.constexpr(64)
 ROW_BYTES = gl.constexpr(656)
 LOG2E = gl.constexpr(1.4426950408889634)
+MAX_ROWS = 32                 # query rows per request: the MMA's N is 16 or 32 (BLOCK_R)
 TWO_POW_120 = gl.constexpr(2.0 ** 120)
 
 
@@ -113,12 +115,12 @@ def _dequantize_group(ckv, sc, kbuf, g: gl.constexpr, n_valid, CVT: gl.constexpr
 def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
-              W: gl.constexpr):
+              BLOCK_R: gl.constexpr, W: gl.constexpr):
     """Compute warpgroup W: columns W * 256 .. W * 256 + 255 of every page (FP8: dequantized into kbuf; partial
     S^T; O^T); S^T's two partials are exchanged through shared memory, so both warpgroups run the same softmax.
     Stores its 256 output columns (warpgroup 0 the lse too)."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS_PAD, 16])
+                                                       instr_shape=[16, BLOCK_R, 16])
     KEY_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)     # per key (M) of S^T
     ROW_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)     # per query row (N) of S^T
     CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -126,14 +128,14 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
 
     b = gl.program_id(0)
     split = gl.program_id(1)
-    rows = gl.arange(0, ROWS_PAD, ROW_S)
+    rows = gl.arange(0, BLOCK_R, ROW_S)
     seqlen, start, n_tiles, vis, min_vis = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q,
                                                                 CAUSAL)
-    m_i = gl.full([ROWS_PAD], float("-inf"), gl.float32, ROW_S)
-    l_acc = gl.zeros([PAGE, ROWS_PAD], gl.float32, S_LAYOUT)
-    o0 = gl.zeros([GROUP, ROWS_PAD], gl.float32, S_LAYOUT)
-    o1 = gl.zeros([GROUP, ROWS_PAD], gl.float32, S_LAYOUT)
-    zero_s = gl.zeros([PAGE, ROWS_PAD], gl.float32, S_LAYOUT)
+    m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, ROW_S)
+    l_acc = gl.zeros([PAGE, BLOCK_R], gl.float32, S_LAYOUT)
+    o0 = gl.zeros([GROUP, BLOCK_R], gl.float32, S_LAYOUT)
+    o1 = gl.zeros([GROUP, BLOCK_R], gl.float32, S_LAYOUT)
+    zero_s = gl.zeros([PAGE, BLOCK_R], gl.float32, S_LAYOUT)
     pt = pt_smem.index(W)
     for t in range(n_tiles):
         s = t % STAGES
@@ -215,11 +217,11 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
 def _second_consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                      seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
                      stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                     KV_FP8: gl.constexpr):
+                     KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr):
     """The worker partition's entry: _consumer as warpgroup 1."""
     _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
-              CAUSAL, IS_SPLIT, STAGES, KV_FP8, 1)
+              CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, 1)
 
 
 @gluon.jit
@@ -241,20 +243,22 @@ def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_pt
 def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
                               pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb, stride_pob,
                               stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                              KV_FP8: gl.constexpr):
+                              KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp. q [b, ROWS, 576] bf16 (row = token j * H +
-    head, ROWS <= 16); the cache behind its descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of
+    head, ROWS <= BLOCK_R = 16 or 32); the cache behind its descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of
     a row), bf16 as [pages * 64, 576] (one, [64, 64] boxes). out [b * ROWS, 512] bf16, lse [b * ROWS]; with
     splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    # the second compute warpgroup's registers: 168 fit 16 rows; 32 rows spill 32 B there, none at 208
+    WORKER_REGS: gl.constexpr = 168 if BLOCK_R == 16 else 208
     b = gl.program_id(0)
     split = gl.program_id(1)
-    qr = gl.arange(0, ROWS_PAD, gl.SliceLayout(1, QL))
+    qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, QL))
     _, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, qr, H, S_Q, CAUSAL)
 
     SMEM16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS_PAD, D_V], SMEM16)
-    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS_PAD, D_PE], SMEM16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, D_V], SMEM16)
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, D_PE], SMEM16)
     q_rows = q_ptr + b.to(gl.int64) * stride_qb + qr * (D_V + D_PE)
     q_smem.store(gl.load(q_rows[:, None] + gl.arange(0, D_V, gl.SliceLayout(0, QL))[None, :],
                          mask=(qr < ROWS)[:, None], other=0.0))
@@ -263,7 +267,7 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
 
     CKV_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     SC_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    PT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, ROWS_PAD], gl.bfloat16)
+    PT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BLOCK_R], gl.bfloat16)
     X_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     if KV_FP8:
         ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D_V], CKV_SMEM)
@@ -274,8 +278,8 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
         sc_smem = ckv_smem        # unused
         kbuf = ckv_smem           # unused: the stage is the bf16 tile
     kpe_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D_PE], SMEM16)
-    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, ROWS_PAD], PT_SMEM)
-    xbuf = gl.allocate_shared_memory(gl.float32, [4, PAGE, ROWS_PAD], X_SMEM)
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, BLOCK_R], PT_SMEM)
+    xbuf = gl.allocate_shared_memory(gl.float32, [4, PAGE, BLOCK_R], X_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -291,32 +295,32 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     gl.warp_specialize(
         [(_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                       seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
-                      stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, 0)),
+                      stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, 0)),
          (_second_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                              seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-                             stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8)),
+                             stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R)),
          (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
                             start // PAGE, n_tiles, STAGES, KV_FP8))],
-        [4, 1], [168, 24])
+        [4, 1], [WORKER_REGS, 24])
 
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
-    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 cache (FP8 or bf16), <= 16 query
+    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 cache (FP8 or bf16), <= 32 query
     rows per request, bf16 q with d_qk 576, d_v 512."""
     b, s_q, h, d_qk = q.shape
     fp8 = kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3 and kv_cache.shape[2] == ROW_BYTES.value
     bf16 = kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 3 and kv_cache.shape[2] == D_V.value + D_PE.value
     return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9 and (fp8 or bf16)
             and kv_cache.is_contiguous() and kv_cache.shape[1] == PAGE.value
-            and s_q * h <= ROWS_PAD.value and q.dtype == torch.bfloat16 and d_qk == D_V.value + D_PE.value
+            and s_q * h <= MAX_ROWS and q.dtype == torch.bfloat16 and d_qk == D_V.value + D_PE.value
             and head_dim_v == D_V.value)
 
 
 def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
                          stages: int | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
-    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16-row programs."""
+    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16- or 32-row programs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mlaserve.kernels.triton.mla_decode import combine_splits
@@ -343,6 +347,7 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
         softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows, qc.stride(0), block_table.stride(0),
         po.stride(0), po.stride(1),
-        CAUSAL=causal, IS_SPLIT=split, STAGES=stages or (3 if kv_fp8 else 2), KV_FP8=kv_fp8, num_warps=4)
+        CAUSAL=causal, IS_SPLIT=split, STAGES=stages or (3 if kv_fp8 and rows <= 16 else 2), KV_FP8=kv_fp8,
+        BLOCK_R=16 if rows <= 16 else 32, num_warps=4)
     if split:
         combine_splits(plan, out, lse)

@@ -23,7 +23,7 @@ class MLADecodeConfig:
     lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
     gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
                                  # page-64 caches: mla_decode_gluon.py for bf16 KV in 64-row blocks,
-                                 # mla_decode_gluon_narrow.py for <= 16 rows in 16-row blocks; else tl
+                                 # mla_decode_gluon_narrow.py for <= 32 rows in 16/32-row blocks; else tl
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -32,8 +32,9 @@ class MLADecodeConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.v_split not in (1, 2):
             raise ValueError(f"v_split must be 1 or 2, got {self.v_split}")
-        if self.gluon and (self.block_h not in (16, 64) or (self.block_n, self.v_split, self.num_warps) != (64, 1, 8)):
-            raise ValueError(f"gluon takes block_h 16 or 64, block_n 64, v_split 1, num_warps 8 (its tl fallback "
+        if self.gluon and (self.block_h not in (16, 32, 64)
+                           or (self.block_n, self.v_split, self.num_warps) != (64, 1, 8)):
+            raise ValueError(f"gluon takes block_h 16, 32 or 64, block_n 64, v_split 1, num_warps 8 (its tl fallback "
                              f"launches the same grid), got {self}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.min_split_tokens < 1:
             raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
@@ -44,23 +45,26 @@ class MLADecodeConfig:
 # Default configs by (query rows per request = s_q * h, rounded up to a bucket; KV kind): the winners of
 # scripts/tune_mla_decode.py's H200 sweep (bench/results/tune-mla-decode-h200-2026-11-30.json) for the tl
 # kernel, and the Gluon kernels where they measured faster (bench/NOTES.md items 27, 35):
+# - 17-32 rows, bf16 and FP8 KV: the same keys-on-M kernel with N = 32, bf16 1.25-1.39x the tl kernel and
+#   1.14x the 64-row Gluon kernel it replaced at h 32 (b 128 s_k 32768: 1235 against 1411 us), FP8 0.83-0.91x
+#   its bf16 (the tl kernel's FP8 ran at 0.45x);
 # - up to 16 rows, bf16 and FP8 KV: the keys-on-M Gluon kernel (mla_decode_gluon_narrow.py), 1.06-1.14x the
 #   tl kernel's 87-96% of copy bandwidth with bf16 KV (scripts/gluon_narrow_check.py); the tl config below
 #   is its fallback off Hopper. With bf16 KV at most 64 splits: b 1 h 16 s_k 32768 ran 30.8 us with 64
 #   against 34.0 with 128 (scripts/split_sweep.py); b 4/16 and FP8 KV keep their one-wave counts;
-# - from 17 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.14-1.23x the tl kernel
-#   at h 32 and 1.24-1.55x at h 64/128 (scripts/gluon_check.py);
-# - from 17 rows, FP8 KV: the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
+# - from 33 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.24-1.64x the tl kernel
+#   at h 64/128 (scripts/gluon_check.py);
+# - from 33 rows, FP8 KV: the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3, gluon=True,
                                   max_splits=64),
-    (32, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
+    (32, "bf16"): MLADecodeConfig(block_h=32, block_n=64, v_split=1, num_warps=8, num_stages=3, gluon=True),
     (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
-    (32, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (32, "fp8"): MLADecodeConfig(block_h=32, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
     (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
