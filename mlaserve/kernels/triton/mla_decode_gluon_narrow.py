@@ -3,33 +3,39 @@ s_q 1, h 32 s_q 1, h 16 s_q 2, ...), over bf16 caches and the FP8 656-byte cache
 there (MLADecodeConfig.gluon with 16- or 32-row blocks; the tl kernel elsewhere, on the same grid).
 
 S^T = K Q^T and O^T = V^T P^T put a page's 64 keys on M and the query rows on N (BLOCK_R = 16 or 32), so no
-MMA pads 16 or 32 rows to 64. Every MMA is bf16 with both operands in shared memory. FP8 pages are computed on the format's values
-(fp8_format: the bf16 nearest e4m3 x scale), as the reference does: each page is dequantized into a bf16
-tile first.
+MMA pads 16 or 32 rows to 64. Every MMA is bf16 with both operands in shared memory. FP8 pages are computed on
+the format's values (fp8_format: the bf16 nearest e4m3 x scale), as the reference does: each page is
+dequantized into a bf16 tile first.
 
 Layout:
 - a producer warp (warp_specialize worker) TMA-loads each page of the split into a STAGES-deep ring on
   mbarriers: bf16 as eight [64, 64] boxes of c_kv and one of k_pe; FP8 as three boxes of the same cache
   rows (e4m3 c_kv in four [64, 128] boxes, fp32 scales [64, 4], bf16 k_pe [64, 64]);
+- FP8 at <= 16 rows (DQ_WG, the default there): a third warpgroup dequantizes each page into one of two bf16
+  tiles (16-byte loads, a bit trick of 2 instructions per byte and one bf16 multiply per pair, 32-byte
+  stores) while the compute warpgroups work on the other; the producer loads c_kv in half-page units into a
+  2-deep raw ring (each unit freed as soon as it is dequantized) and k_pe straight into the tile. The
+  compute warpgroups then read the tiles as they read a bf16 ring;
 - two compute warpgroups split the 512 c_kv columns in halves. Per page each one
-  - FP8: dequantizes its half into the shared bf16 tile (16-byte loads, a bit trick of 2 instructions per
-    byte and one bf16 multiply per pair, 32-byte stores); bf16: the ring stage is the tile,
+  - FP8 from 17 rows: dequantizes its half into the one shared bf16 tile; bf16: the ring stage is the tile,
   - computes its partial S^T = K_half Q_half^T ([64 keys, BLOCK_R rows]; warpgroup 0 adds k_pe q_pe^T),
   - exchanges the partials through shared memory (an mbarrier of 2 arrivals per page), so that both run the
     same online softmax along the keys,
   - and computes O^T_half += V^T_half P^T, V^T read MN-major from the same tile.
-  Both store their own 256 output columns; warpgroup 0 stores lse. An FP8 stage is freed once its half is
-  dequantized and S^T is done (3 stages fit beside the tile at 16 rows, 2 at 32); a bf16 stage once O^T is
-  done (2 stages).
+  Both store their own 256 output columns; warpgroup 0 stores lse. A bf16 stage (or DQ_WG tile) is freed
+  once O^T is done (2 stages); an FP8 stage dequantized in place once its halves are and S^T is done (3
+  stages fit beside the tile at 16 rows, 2 at 32).
 Cache rows past the request's end: FP8 gets scale 0 there (the bit trick makes every byte finite, NaN bytes
 included); bf16 zeroes them in the stage before use (NaN in unused slots); their scores are masked.
 
-Measured (H200, scripts/gluon_narrow_check.py, bench/NOTES.md item 35), h 16, b 128 s_k 4k-32k and b 1/4/16 at
-32k: bf16 1.06-1.14x the tl kernel; FP8 1.03-1.10x the tl kernel's bf16 time, where the exact-scale kernel
-it replaces (scales applied after the MMAs, values off the format's) ran at 0.65-0.69x. h 32 (N = 32), b 128
-s_k 4k-32k: bf16 1.35-1.39x the tl kernel and 1.14x the 64-row Gluon kernel; FP8 0.83-0.86x its bf16. The page's steps run
-in series: overlapping the next page's dequantize with O^T measured 9% slower, taking K from registers
-10-15% slower (branch wip/fp8-dequant-variants).
+Measured (H200, scripts/gluon_narrow_check.py, bench/NOTES.md items 35, 37), h 16, b 128 s_k 4k-32k and b 1/4/16
+at 32k: bf16 1.06-1.14x the tl kernel; FP8 with the dequantizing warpgroup 1.02-1.10x the kernel's own bf16
+time (in place: 0.98-1.03x). h 32 (N = 32), b 128 s_k 4k-32k: bf16 1.35-1.39x the tl kernel and 1.14x the
+64-row Gluon kernel; FP8 (in place) 0.83-0.86x its bf16. What bounds FP8: from L2 (scripts/chain_rate.py,
+NARROW_POOL) a page takes 1.92 us with the dequantizing warpgroup and 2.07 in place against bf16's 1.34, the
+same as from HBM: the chain, not the loads. A second dequantizing warpgroup, k_pe in its own 3-deep ring and
+an L2 prefetch of the pages ahead measured no faster; overlapping the next page's dequantize with O^T (in
+place) 9% slower, K from registers 10-15% slower (branch wip/fp8-dequant-variants).
 """
 
 import torch
@@ -53,27 +59,45 @@ TWO_POW_120 = gl.constexpr(2.0 ** 120)
 
 
 @gluon.jit
-def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty, first_page,
-                    n_tiles, STAGES: gl.constexpr, KV_FP8: gl.constexpr):
-    """The producer warp: page t of the split into ring stage t % STAGES once the stage is free."""
+def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty, raw_ready,
+                    raw_empty, first_page, n_tiles, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
+                    DQ_WG: gl.constexpr, RAW_UNITS: gl.constexpr):
+    """The producer warp: page t of the split into ring stage t % STAGES once the stage is free. With DQ_WG the
+    page's c_kv goes in two half-page units (columns 0-255, 256-511; the page's scales with each) into the raw
+    ring (RAW_UNITS deep, raw_ready / raw_empty), and k_pe straight into the bf16 tile t % 2 once it is free."""
     for t in range(n_tiles):
         s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        row = gl.load(bt_row + first_page + t) * PAGE
-        bar = ready.index(s)
-        if KV_FP8:
-            mbarrier.expect(bar, PAGE * (D_V + 4 * 4 + D_PE * 2))
-            for g in gl.static_range(4):
-                tma.async_copy_global_to_shared(ckv_desc, [row, g * GROUP], bar,
-                                                ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1))
-            tma.async_copy_global_to_shared(sc_desc, [row, D_V // 4], bar, sc_smem.index(s))
-            tma.async_copy_global_to_shared(kpe_desc, [row, (D_V + 16) // 2], bar, kpe_smem.index(s))
+        if DQ_WG:
+            row = gl.load(bt_row + first_page + t) * PAGE
+            for hh in gl.static_range(2):
+                u = 2 * t + hh
+                r = u % RAW_UNITS
+                mbarrier.wait(raw_empty.index(r), ((u // RAW_UNITS) & 1) ^ 1)
+                mbarrier.expect(raw_ready.index(r), PAGE * (HALF + 4 * 4))
+                for g in gl.static_range(2):
+                    tma.async_copy_global_to_shared(ckv_desc, [row, (2 * hh + g) * GROUP], raw_ready.index(r),
+                                                    ckv_smem.index(r).slice(g * GROUP, GROUP, dim=1))
+                tma.async_copy_global_to_shared(sc_desc, [row, D_V // 4], raw_ready.index(r), sc_smem.index(r))
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), PAGE * D_PE * 2)
+            tma.async_copy_global_to_shared(kpe_desc, [row, (D_V + 16) // 2], ready.index(s), kpe_smem.index(s))
         else:
-            mbarrier.expect(bar, PAGE * (D_V + D_PE) * 2)
-            for c in gl.static_range(D_V // D_PE):
-                tma.async_copy_global_to_shared(ckv_desc, [row, c * D_PE], bar,
-                                                ckv_smem.index(s).slice(c * D_PE, D_PE, dim=1))
-            tma.async_copy_global_to_shared(ckv_desc, [row, D_V], bar, kpe_smem.index(s))
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            row = gl.load(bt_row + first_page + t) * PAGE
+            bar = ready.index(s)
+            if KV_FP8:
+                mbarrier.expect(bar, PAGE * (D_V + 4 * 4 + D_PE * 2))
+                for g in gl.static_range(4):
+                    tma.async_copy_global_to_shared(ckv_desc, [row, g * GROUP], bar,
+                                                    ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1))
+                tma.async_copy_global_to_shared(sc_desc, [row, D_V // 4], bar, sc_smem.index(s))
+                tma.async_copy_global_to_shared(kpe_desc, [row, (D_V + 16) // 2], bar, kpe_smem.index(s))
+            else:
+                mbarrier.expect(bar, PAGE * (D_V + D_PE) * 2)
+                for c in gl.static_range(D_V // D_PE):
+                    tma.async_copy_global_to_shared(ckv_desc, [row, c * D_PE], bar,
+                                                    ckv_smem.index(s).slice(c * D_PE, D_PE, dim=1))
+                tma.async_copy_global_to_shared(ckv_desc, [row, D_V], bar, kpe_smem.index(s))
 
 
 @gluon.jit
@@ -97,30 +121,65 @@ def _e4m3_times(x, c):
 
 
 @gluon.jit
-def _dequantize_group(ckv, sc, kbuf, g: gl.constexpr, n_valid, CVT: gl.constexpr, SCL: gl.constexpr):
-    """c_kv group g of a stage (e4m3 [64, 128]) times its per-key scale, rounded once to bf16 (the format's
-    values), into kbuf's columns of group g; keys n_valid.. (past the request's end: NaN in unused slots) get
-    scale 0, and the bit trick turns every byte, NaN's included, into a finite bf16, so they become 0."""
+def _dequantize_group(src, sc, dst, g: gl.constexpr, n_valid, CVT: gl.constexpr, SCL: gl.constexpr):
+    """c_kv group g of a page (src, e4m3 [64, 128]) times its per-key scale (column g of sc [64, 4]), rounded
+    once to bf16 (the format's values), into dst (bf16 [64, 128]); keys n_valid.. (past the request's end: NaN
+    in unused slots) get scale 0, and the bit trick turns every byte, NaN's included, into a finite bf16, so
+    they become 0."""
     cols = gl.arange(0, 4, gl.SliceLayout(0, SCL))
     c = gl.sum(gl.where(cols[None, :] == g, sc, 0.0), 1)
     c = gl.convert_layout(c, gl.SliceLayout(1, CVT))      # the same rows per thread: no data moves
     keys = gl.arange(0, PAGE, gl.SliceLayout(1, CVT))
     c = gl.where(keys < n_valid, c * TWO_POW_120, 0.0).to(gl.bfloat16)   # exact: scales are bf16 <= 2^7
-    raw = ckv.slice(g * GROUP, GROUP, dim=1).load(CVT)
+    raw = src.load(CVT)
     x, cb = gl.broadcast(raw.to(gl.uint8, bitcast=True), c[:, None])
-    kbuf.slice(g * GROUP, GROUP, dim=1).store(_e4m3_times(x, cb))
+    dst.store(_e4m3_times(x, cb))
+
+
+@gluon.jit
+def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, empty, seqlens_ptr, num_splits, H,
+                       S_Q, CAUSAL: gl.constexpr, RAW_UNITS: gl.constexpr):
+    """DQ_WG's dequantizing warpgroup: each FP8 page from its two raw units into the bf16 tile t % 2 (once both
+    compute warpgroups are done with it), a unit freed as soon as it is read; the tile's ready barrier takes
+    this arrival and the producer's k_pe bytes."""
+    CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    SCL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    rows = gl.arange(0, 16, gl.SliceLayout(1, SCL))
+    seqlen, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL)
+    for t in range(n_tiles):
+        s = t % 2
+        mbarrier.wait(empty.index(s), ((t // 2) & 1) ^ 1)
+        n_valid = seqlen - (start + t * PAGE)
+        for hh in gl.static_range(2):
+            u = 2 * t + hh
+            r = u % RAW_UNITS
+            mbarrier.wait(raw_ready.index(r), (u // RAW_UNITS) & 1)
+            sc = rsc_smem.index(r).load(SCL)
+            for g in gl.static_range(2):
+                _dequantize_group(raw_smem.index(r).slice(g * GROUP, GROUP, dim=1), sc,
+                                  tiles.index(s).slice((2 * hh + g) * GROUP, GROUP, dim=1), 2 * hh + g, n_valid,
+                                  CVT, SCL)
+            gl.thread_barrier()
+            mbarrier.arrive(raw_empty.index(r))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(s))
 
 
 @gluon.jit
 def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
-              BLOCK_R: gl.constexpr, W: gl.constexpr):
+              BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr, W: gl.constexpr):
     """Compute warpgroup W: columns W * 256 .. W * 256 + 255 of every page (FP8: dequantized into kbuf; partial
     S^T; O^T); S^T's two partials are exchanged through shared memory, so both warpgroups run the same softmax.
-    Stores its 256 output columns (warpgroup 0 the lse too)."""
+    Stores its 256 output columns (warpgroup 0 the lse too). With DQ_WG the ring is of bf16 tiles that the
+    dequantizing warpgroup fills, read as a bf16 ring (its rows past the request's end already 0)."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_R, 16])
+    DEQUANT_HERE: gl.constexpr = KV_FP8 and DQ_WG == 0
     KEY_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)     # per key (M) of S^T
     ROW_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)     # per query row (N) of S^T
     CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -141,21 +200,23 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         tok0 = start + t * PAGE
-        if KV_FP8:
+        if DEQUANT_HERE:
             # -- this warpgroup's half of the page, dequantized into kbuf --
             sc = sc_smem.index(s).load(SCL)
-            _dequantize_group(ckv_smem.index(s), sc, kbuf, 2 * W, seqlen - tok0, CVT, SCL)
-            _dequantize_group(ckv_smem.index(s), sc, kbuf, 2 * W + 1, seqlen - tok0, CVT, SCL)
+            for g in gl.static_range(2 * W, 2 * W + 2):
+                _dequantize_group(ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1), sc,
+                                  kbuf.slice(g * GROUP, GROUP, dim=1), g, seqlen - tok0, CVT, SCL)
             fence_async_shared()
             gl.thread_barrier()
             kv = kbuf
         else:
             kv = ckv_smem.index(s)
-            if tok0 + PAGE > seqlen:
-                # cache rows past the request's end (NaN in unused slots) zeroed in this half: P^T V^T reads them
-                zero_rows_from(kv, seqlen - tok0, W * HALF, HALF, CVT)
-                fence_async_shared()
-                gl.thread_barrier()
+            if not KV_FP8:
+                if tok0 + PAGE > seqlen:
+                    # rows past the request's end (NaN in unused slots) zeroed in this half: O^T reads them
+                    zero_rows_from(kv, seqlen - tok0, W * HALF, HALF, CVT)
+                    fence_async_shared()
+                    gl.thread_barrier()
         # -- partial S^T over these columns (and k_pe q_pe^T in warpgroup 0) --
         acc = warpgroup_mma(kv.slice(W * HALF, HALF, dim=1), q_smem.slice(W * HALF, HALF, dim=1).permute((1, 0)),
                             zero_s, use_acc=False, is_async=True)
@@ -163,7 +224,7 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
             acc = warpgroup_mma(kpe_smem.index(s), qpe_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
-        if KV_FP8:
+        if DEQUANT_HERE:
             mbarrier.arrive(empty.index(s))       # the raw stage is done with (the ring has 2 arrivals a fill)
         # -- exchange the partials: S^T = warpgroup 0's + warpgroup 1's, the same sum in both --
         x = t % 2
@@ -197,7 +258,7 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
                            is_async=True)
         o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
         gl.thread_barrier()                       # kbuf and P^T are free for the next page
-        if not KV_FP8:
+        if not DEQUANT_HERE:
             mbarrier.arrive(empty.index(s))       # the stage is done with (the ring has 2 arrivals a fill)
 
     inv_l, lse = finish_rows(m_i, gl.sum(l_acc, 0), ROW_S)
@@ -217,11 +278,11 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
 def _second_consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                      seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
                      stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                     KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr):
+                     KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr):
     """The worker partition's entry: _consumer as warpgroup 1."""
     _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
-              CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, 1)
+              CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 1)
 
 
 @gluon.jit
@@ -243,14 +304,16 @@ def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_pt
 def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
                               pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb, stride_pob,
                               stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                              KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr):
-    """Grid (b, num_splits); 4 + 4 compute warps + the producer warp. q [b, ROWS, 576] bf16 (row = token j * H +
-    head, ROWS <= BLOCK_R = 16 or 32); the cache behind its descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of
-    a row), bf16 as [pages * 64, 576] (one, [64, 64] boxes). out [b * ROWS, 512] bf16, lse [b * ROWS]; with
-    splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
+                              KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr):
+    """Grid (b, num_splits); 4 + 4 compute warps + the producer warp (+ 4 dequantizing warps with DQ_WG).
+    q [b, ROWS, 576] bf16 (row = token j * H + head, ROWS <= BLOCK_R = 16 or 32); the cache behind its
+    descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of a row), bf16 as [pages * 64, 576] (one,
+    [64, 64] boxes). out [b * ROWS, 512] bf16, lse [b * ROWS]; with splits po [b, splits, ROWS, 512] /
+    pl [b, splits, ROWS] fp32 instead."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     # the second compute warpgroup's registers: 168 fit 16 rows; 32 rows spill 32 B there, none at 208
     WORKER_REGS: gl.constexpr = 168 if BLOCK_R == 16 else 208
+    DQ_REGS: gl.constexpr = 96
     b = gl.program_id(0)
     split = gl.program_id(1)
     qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, QL))
@@ -269,7 +332,13 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     SC_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     PT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BLOCK_R], gl.bfloat16)
     X_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    if KV_FP8:
+    RAW_UNITS: gl.constexpr = 2
+    if DQ_WG:
+        # raw ring of half pages (e4m3 [64, 256] + the page's scales); STAGES = 2 bf16 tiles (c_kv; k_pe by TMA)
+        ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW_UNITS, PAGE, HALF], CKV_SMEM)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [RAW_UNITS, PAGE, 4], SC_SMEM)
+        kbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D_V], SMEM16)
+    elif KV_FP8:
         ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D_V], CKV_SMEM)
         sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE, 4], SC_SMEM)
         kbuf = gl.allocate_shared_memory(gl.bfloat16, [PAGE, D_V], SMEM16)
@@ -284,25 +353,45 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2 if DQ_WG else 1)   # DQ_WG: the dequantizer + k_pe's TMA
         mbarrier.init(empty.index(i), count=2)
     mbarrier.init(xbar.index(0), count=2)
     mbarrier.init(xbar.index(1), count=2)
+    raw_ready = gl.allocate_shared_memory(gl.int64, [RAW_UNITS, 1], mbarrier.MBarrierLayout())
+    raw_empty = gl.allocate_shared_memory(gl.int64, [RAW_UNITS, 1], mbarrier.MBarrierLayout())
+    if DQ_WG:
+        for i in gl.static_range(RAW_UNITS):
+            mbarrier.init(raw_ready.index(i), count=1)
+            mbarrier.init(raw_empty.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
 
     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-    gl.warp_specialize(
-        [(_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
-                      seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
-                      stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, 0)),
-         (_second_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
-                             seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-                             stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R)),
-         (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
-                            start // PAGE, n_tiles, STAGES, KV_FP8))],
-        [4, 1], [WORKER_REGS, 24])
-
+    if DQ_WG:
+        # the compute warpgroups read the bf16 tiles (kbuf) as their ring; the dequantizer fills them
+        gl.warp_specialize(
+            [(_consumer, (q_smem, qpe_smem, kbuf, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
+                          seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+                          stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0)),
+             (_second_consumer, (q_smem, qpe_smem, kbuf, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
+                                 seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+                                 stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG)),
+             (_dequant_partition, (ckv_smem, sc_smem, kbuf, raw_ready, raw_empty, ready, empty, seqlens_ptr,
+                                   num_splits, H, S_Q, CAUSAL, RAW_UNITS)),
+             (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
+                                raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS))],
+            [4, 4, 1], [WORKER_REGS, DQ_REGS, 24])
+    else:
+        gl.warp_specialize(
+            [(_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
+                          seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+                          stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0)),
+             (_second_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty,
+                                 xbar, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q,
+                                 ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG)),
+             (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
+                                raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS))],
+            [4, 1], [WORKER_REGS, 24])
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
@@ -318,9 +407,12 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
 
 
 def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
-                         stages: int | None = None) -> None:
+                            stages: int | None = None, dequant_warpgroup: bool | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
-    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16- or 32-row programs."""
+    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16- or 32-row programs.
+    `dequant_warpgroup` (FP8 and <= 16 rows only, where two bf16 tiles fit in shared memory; the default
+    there): a third warpgroup dequantizes each page into one of two bf16 tiles while the compute warpgroups work
+    on the other, instead of the compute warpgroups dequantizing into one tile themselves."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mlaserve.kernels.triton.mla_decode import combine_splits
@@ -328,6 +420,10 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
     b, s_q, h, _ = q.shape
     rows, page = s_q * h, PAGE.value
     kv_fp8 = kv_cache.dtype == torch.uint8
+    dq = kv_fp8 and rows <= 16 if dequant_warpgroup is None else dequant_warpgroup
+    if dq and not (kv_fp8 and rows <= 16):
+        raise ValueError(f"dequant_warpgroup takes FP8 caches and <= 16 query rows, got {kv_cache.dtype} and "
+                         f"{rows} rows")
     if kv_fp8:
         flat = kv_cache.view(-1, ROW_BYTES.value)
         ckv_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -347,7 +443,7 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
         softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows, qc.stride(0), block_table.stride(0),
         po.stride(0), po.stride(1),
-        CAUSAL=causal, IS_SPLIT=split, STAGES=stages or (3 if kv_fp8 and rows <= 16 else 2), KV_FP8=kv_fp8,
-        BLOCK_R=16 if rows <= 16 else 32, num_warps=4)
+        CAUSAL=causal, IS_SPLIT=split, STAGES=2 if dq else stages or (3 if kv_fp8 and rows <= 16 else 2),
+        KV_FP8=kv_fp8, BLOCK_R=16 if rows <= 16 else 32, DQ_WG=dq, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
