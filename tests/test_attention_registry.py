@@ -46,8 +46,9 @@ def _cfg(heads):
 
 
 @pytest.mark.parametrize("heads,extend,want", [
-    (16, [1, 1], "triton"),        # 16 rows: level with FlashInfer, the primary keeps it
-    (32, [1, 1], "flashinfer"),    # 32+ rows in DECODE: FlashInfer measured faster
+    (16, [1, 1], "triton"),        # up to 32 rows: Triton level with FlashInfer or ahead, the primary keeps them
+    (32, [1, 1], "triton"),
+    (64, [1, 1], "flashinfer"),    # 33+ rows in DECODE: FlashInfer measured faster
     (128, [1], "flashinfer"),
     (128, [5, 3], "triton"),       # EXTEND steps stay with the primary
 ])

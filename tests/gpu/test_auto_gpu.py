@@ -18,8 +18,8 @@ def test_auto_has_flashinfer_as_a_decode_peer_and_matches_triton(tmp_path):
     reason = flashinfer_backend.unavailable_reason("cuda", torch.bfloat16)
     if reason is not None:
         pytest.skip(f"FlashInfer cannot run here: {reason}")
-    path = build_checkpoint(str(tmp_path / "m"), "v3", seed=4, vocab_size=VOCAB, num_attention_heads=32,
-                            num_key_value_heads=32, kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
+    path = build_checkpoint(str(tmp_path / "m"), "v3", seed=4, vocab_size=VOCAB, num_attention_heads=64,
+                            num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
     write_byte_tokenizer(path)
     prompts = random_prompts([40, 9, 77], VOCAB, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=True)
@@ -28,7 +28,7 @@ def test_auto_has_flashinfer_as_a_decode_peer_and_matches_triton(tmp_path):
         llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=backend, page_size=64, num_pages=64)
         if backend == "auto":
             dense = llm.engine.runner.dense
-            # with the CuTe DSL installed (page 64, Hopper) it is the primary and keeps 32-row decode steps;
+            # with the CuTe DSL installed (page 64, Hopper) it is the primary and keeps 64-row decode steps;
             # otherwise triton is, and FlashInfer takes them (auto_backend.DECODE_RULES)
             assert dense.primary.name in ("cutedsl_mla", "triton")
             assert "flashinfer" in [p.name for p in dense.decode_peers]
