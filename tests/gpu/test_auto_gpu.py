@@ -33,11 +33,16 @@ def test_auto_has_flashinfer_as_a_decode_peer_and_matches_triton(tmp_path):
             assert dense.primary.name in ("cutedsl_mla", "triton")
             assert "flashinfer" in [p.name for p in dense.decode_peers]
         runs[backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    compared = 0
     for a, t in zip(runs["auto"], runs["triton"]):
         # the first generated token comes from the shared EXTEND path, the rest from two different kernels
         assert a.token_ids[0] == t.token_ids[0]
-        agree = sum(x == y for x, y in zip(a.token_ids, t.token_ids)) / len(t.token_ids)
-        assert agree >= 0.75, (a.token_ids, t.token_ids)
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, t.token_ids)) if x != y), len(t.token_ids))
         diffs = [abs(x - y) for x, y in zip(a.logprobs[:n], t.logprobs[:n])]
-        assert max(diffs) < 0.1, diffs
+        assert max(diffs) < 0.05, diffs
+        compared += n - 1
+        if n < len(t.token_ids):
+            # greedy decoding of a random model parts where its top two tokens are near-tied: each run's own
+            # pick then has (nearly) the same logprob; a wrong kernel would move it far more
+            assert abs(a.logprobs[n] - t.logprobs[n]) < 0.01, (n, a.token_ids, t.token_ids, a.logprobs, t.logprobs)
+    assert compared >= 3, compared     # decode steps that both runs took on the same context

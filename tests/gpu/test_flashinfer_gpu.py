@@ -47,7 +47,7 @@ def _cache_and_tables(lens, page_size, device, gen):
     return kv.to(device), tables
 
 
-@pytest.mark.parametrize("h,extend", [(16, False), (128, False), (64, True)])
+@pytest.mark.parametrize("h,extend", [(16, False), (32, False), (64, False), (128, False), (64, True)])
 def test_backend_matches_reference(device, h, extend):
     gen = torch.Generator().manual_seed(h)
     page_size = 64
