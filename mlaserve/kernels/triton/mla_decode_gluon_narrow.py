@@ -146,7 +146,7 @@ def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, e
     SCL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     b = gl.program_id(0)
     split = gl.program_id(1)
-    rows = gl.arange(0, 16, gl.SliceLayout(1, SCL))
+    rows = gl.arange(0, 16, gl.SliceLayout(1, SCL))        # only for the helper's per-row visibility, unused
     seqlen, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL)
     for t in range(n_tiles):
         s = t % 2
@@ -367,6 +367,7 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     gl.thread_barrier()
 
     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
+    # (each call spells out its argument tuples: a tuple held in a variable loses its constexprs in Gluon)
     if DQ_WG:
         # the compute warpgroups read the bf16 tiles (kbuf) as their ring; the dequantizer fills them
         gl.warp_specialize(
