@@ -31,7 +31,7 @@ included); bf16 zeroes them in the stage before use (NaN in unused slots); their
 Measured (H200, scripts/gluon_narrow_check.py, bench/NOTES.md items 35, 37), h 16, b 128 s_k 4k-32k and b 1/4/16
 at 32k: bf16 1.06-1.14x the tl kernel; FP8 with the dequantizing warpgroup 1.02-1.10x the kernel's own bf16
 time (in place: 0.98-1.03x). h 32 (N = 32), b 128 s_k 4k-32k: bf16 1.35-1.39x the tl kernel and 1.14x the
-64-row Gluon kernel; FP8 (in place) 0.83-0.86x its bf16. What bounds FP8: from L2 (scripts/chain_rate.py,
+64-row Gluon kernel; FP8 (in place) 0.80-0.87x its bf16. What bounds FP8: from L2 (scripts/chain_rate.py,
 NARROW_POOL) a page takes 1.92 us with the dequantizing warpgroup and 2.07 in place against bf16's 1.34, the
 same as from HBM: the chain, not the loads. A second dequantizing warpgroup, k_pe in its own 3-deep ring and
 an L2 prefetch of the pages ahead measured no faster; overlapping the next page's dequantize with O^T (in

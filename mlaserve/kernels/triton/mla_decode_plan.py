@@ -46,8 +46,8 @@ class MLADecodeConfig:
 # scripts/tune_mla_decode.py's H200 sweep (bench/results/tune-mla-decode-h200-2026-11-30.json) for the tl
 # kernel, and the Gluon kernels where they measured faster (bench/NOTES.md items 27, 35, 37):
 # - 17-32 rows, bf16 and FP8 KV: the same keys-on-M kernel with N = 32, bf16 1.25-1.39x the tl kernel and
-#   1.14x the 64-row Gluon kernel it replaced at h 32 (b 128 s_k 32768: 1235 against 1411 us), FP8 0.83-0.91x
-#   its bf16 (the tl kernel's FP8 ran at 0.45x);
+#   1.14x the 64-row Gluon kernel it replaced at h 32 (b 128 s_k 32768: 1235 against 1411 us), FP8 0.80-0.92x
+#   its bf16 over the check script and the bench (the tl kernel's FP8 ran at 0.45x);
 # - up to 16 rows, bf16 and FP8 KV: the keys-on-M Gluon kernel (mla_decode_gluon_narrow.py), 1.06-1.14x the
 #   tl kernel's 87-96% of copy bandwidth with bf16 KV (scripts/gluon_narrow_check.py), FP8 KV (a third
 #   warpgroup dequantizing into two bf16 tiles) 1.02-1.10x its bf16; the tl config below is its fallback off
