@@ -29,7 +29,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from mlaserve.kernels.triton.mla_decode_gluon_narrow import _e4m3_times  # noqa: E402
+from mlaserve.kernels.triton.mla_decode_gluon import e4m3_times  # noqa: E402
 
 
 @gluon.jit
@@ -50,7 +50,7 @@ def probe(k_ptr, q_ptr, out_ptr):
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 512])
     x = raw.load(LD).to(gl.uint8, bitcast=True)
     cb = gl.full([64, 512], 1.0, gl.bfloat16, LD)
-    k = _e4m3_times(x, cb)                                   # bf16 [64, 512] in LD
+    k = e4m3_times(x, cb)                                    # bf16 [64, 512] in LD
     k6 = gl.reshape(k, [64, 4, 4, 8, 2, 2])                  # physical columns as (g, c, j', e1, e0)
     k6 = gl.permute(k6, [0, 1, 3, 4, 2, 5])                  # logical (g, j', e1, c, e0)
     kl = gl.reshape(k6, [64, 512])

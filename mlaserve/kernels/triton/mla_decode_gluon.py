@@ -39,6 +39,7 @@ D_V = gl.constexpr(512)
 BOX = gl.constexpr(64)        # TMA box columns (128 bytes of bf16: one 128-byte swizzle atom)
 NBOX = gl.constexpr(8)        # D_V // BOX: the c_kv boxes; k_pe is one more box, in its own buffer
 LOG2E = gl.constexpr(1.4426950408889634)
+TWO_POW_120 = gl.constexpr(2.0 ** 120)
 
 
 @gluon.jit
@@ -60,6 +61,42 @@ def _load_partition(q_desc, kv_desc, bt_row, q_smem, qpe_smem, kv_smem, kpe_smem
             tma.async_copy_global_to_shared(kv_desc, [page * PAGE, c * BOX], bar,
                                             kv_smem.index(s).slice(c * BOX, BOX, dim=1))
         tma.async_copy_global_to_shared(kv_desc, [page * PAGE, D_V], bar, kpe_smem.index(s))
+
+
+@gluon.jit
+def e4m3_times(x, c):
+    """e4m3 bytes x (uint8) times bf16 c -> bf16, rounded once: the bf16 whose bits are sign | (byte & 0x7f) << 4
+    is the byte's value times 2^-120 (subnormals included), so c carries the scale times 2^120. Each byte goes
+    sign-extended into a 16-bit lane (prmt), << 4 puts its magnitude bits in place, the mask keeps the sign."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo, hi;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 lo, lo, 0x87F087F0;
+        and.b32 hi, hi, 0x87F087F0;
+        mul.rn.bf16x2 $0, lo, $3;
+        mul.rn.bf16x2 $1, hi, $4;
+        }""",
+        "=r,=r,r,r,r", [x, c], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def dequantize_group(src, sc, dst, g: gl.constexpr, n_valid, CVT: gl.constexpr, SCL: gl.constexpr):
+    """c_kv group g of a page (src, e4m3 [64, 128]) times its per-key scale (column g of sc [64, 4]), rounded
+    once to bf16 (the format's values), into dst (bf16 [64, 128]); keys n_valid.. (past the request's end: NaN
+    in unused slots) get scale 0, and the bit trick turns every byte, NaN's included, into a finite bf16, so
+    they become 0."""
+    cols = gl.arange(0, 4, gl.SliceLayout(0, SCL))
+    c = gl.sum(gl.where(cols[None, :] == g, sc, 0.0), 1)
+    c = gl.convert_layout(c, gl.SliceLayout(1, CVT))      # the same rows per thread: no data moves
+    keys = gl.arange(0, PAGE, gl.SliceLayout(1, CVT))
+    c = gl.where(keys < n_valid, c * TWO_POW_120, 0.0).to(gl.bfloat16)   # exact: scales are bf16 <= 2^7
+    raw = src.load(CVT)
+    x, cb = gl.broadcast(raw.to(gl.uint8, bitcast=True), c[:, None])
+    dst.store(e4m3_times(x, cb))
 
 
 @gluon.jit

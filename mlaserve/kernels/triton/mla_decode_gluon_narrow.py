@@ -45,7 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from mlaserve.kernels import fp8_format
-from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility, zero_rows_from
+from mlaserve.kernels.triton.mla_decode_gluon import (dequantize_group, finish_rows, split_and_visibility,
+                                                       zero_rows_from)
 
 PAGE = gl.constexpr(64)       # cached tokens per page = per step = the MMA's M
 D_V = gl.constexpr(512)
@@ -55,7 +56,6 @@ D_PE = gl.constexpr(64)
 ROW_BYTES = gl.constexpr(656)
 LOG2E = gl.constexpr(1.4426950408889634)
 MAX_ROWS = 32                 # query rows per request: the MMA's N is 16 or 32 (BLOCK_R)
-TWO_POW_120 = gl.constexpr(2.0 ** 120)
 
 
 @gluon.jit
@@ -101,42 +101,6 @@ def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_
 
 
 @gluon.jit
-def _e4m3_times(x, c):
-    """e4m3 bytes x (uint8) times bf16 c -> bf16, rounded once: the bf16 whose bits are sign | (byte & 0x7f) << 4
-    is the byte's value times 2^-120 (subnormals included), so c carries the scale times 2^120. Each byte goes
-    sign-extended into a 16-bit lane (prmt), << 4 puts its magnitude bits in place, the mask keeps the sign."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 lo, hi;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 lo, lo, 0x87F087F0;
-        and.b32 hi, hi, 0x87F087F0;
-        mul.rn.bf16x2 $0, lo, $3;
-        mul.rn.bf16x2 $1, hi, $4;
-        }""",
-        "=r,=r,r,r,r", [x, c], dtype=gl.bfloat16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _dequantize_group(src, sc, dst, g: gl.constexpr, n_valid, CVT: gl.constexpr, SCL: gl.constexpr):
-    """c_kv group g of a page (src, e4m3 [64, 128]) times its per-key scale (column g of sc [64, 4]), rounded
-    once to bf16 (the format's values), into dst (bf16 [64, 128]); keys n_valid.. (past the request's end: NaN
-    in unused slots) get scale 0, and the bit trick turns every byte, NaN's included, into a finite bf16, so
-    they become 0."""
-    cols = gl.arange(0, 4, gl.SliceLayout(0, SCL))
-    c = gl.sum(gl.where(cols[None, :] == g, sc, 0.0), 1)
-    c = gl.convert_layout(c, gl.SliceLayout(1, CVT))      # the same rows per thread: no data moves
-    keys = gl.arange(0, PAGE, gl.SliceLayout(1, CVT))
-    c = gl.where(keys < n_valid, c * TWO_POW_120, 0.0).to(gl.bfloat16)   # exact: scales are bf16 <= 2^7
-    raw = src.load(CVT)
-    x, cb = gl.broadcast(raw.to(gl.uint8, bitcast=True), c[:, None])
-    dst.store(_e4m3_times(x, cb))
-
-
-@gluon.jit
 def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, empty, seqlens_ptr, num_splits, H,
                        S_Q, CAUSAL: gl.constexpr, RAW_UNITS: gl.constexpr):
     """DQ_WG's dequantizing warpgroup: each FP8 page from its two raw units into the bf16 tile t % 2 (once both
@@ -158,9 +122,9 @@ def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, e
             mbarrier.wait(raw_ready.index(r), (u // RAW_UNITS) & 1)
             sc = rsc_smem.index(r).load(SCL)
             for g in gl.static_range(2):
-                _dequantize_group(raw_smem.index(r).slice(g * GROUP, GROUP, dim=1), sc,
-                                  tiles.index(s).slice((2 * hh + g) * GROUP, GROUP, dim=1), 2 * hh + g, n_valid,
-                                  CVT, SCL)
+                dequantize_group(raw_smem.index(r).slice(g * GROUP, GROUP, dim=1), sc,
+                                 tiles.index(s).slice((2 * hh + g) * GROUP, GROUP, dim=1), 2 * hh + g, n_valid,
+                                 CVT, SCL)
             gl.thread_barrier()
             mbarrier.arrive(raw_empty.index(r))
         fence_async_shared()
@@ -204,8 +168,8 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
             # -- this warpgroup's half of the page, dequantized into kbuf --
             sc = sc_smem.index(s).load(SCL)
             for g in gl.static_range(2 * W, 2 * W + 2):
-                _dequantize_group(ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1), sc,
-                                  kbuf.slice(g * GROUP, GROUP, dim=1), g, seqlen - tok0, CVT, SCL)
+                dequantize_group(ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1), sc,
+                                 kbuf.slice(g * GROUP, GROUP, dim=1), g, seqlen - tok0, CVT, SCL)
             fence_async_shared()
             gl.thread_barrier()
             kv = kbuf
