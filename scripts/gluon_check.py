@@ -1,7 +1,9 @@
-"""Check and time the Gluon MLA decode (mlaserve/kernels/triton/mla_decode_gluon.py) on a Hopper GPU.
+"""Check and time the Gluon MLA decode (mlaserve/kernels/triton/mla_decode_gluon.py, 64-row blocks, bf16 and FP8
+KV) on a Hopper GPU.
 
     python scripts/gluon_check.py            # correctness shapes (PASS/FAIL each), then timings beside the tl kernel
     python scripts/gluon_check.py --quick    # the correctness shapes only
+    GLUON_FP8=0 python scripts/gluon_check.py --timings-only   # bf16 timings only (FP8 KV is timed by default)
 
 Inputs, poisoning (NaN in unused slots, out-of-range block-table entries past a request's pages) and
 tolerances are scripts/cutedsl_check.py's. The timings replay a CUDA graph that runs the kernel on copies
@@ -11,17 +13,20 @@ not read their KV from L2; they decide which row counts the triton backend gives
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import replace
 
 import torch
 import triton
 
-from cutedsl_check import SCALE, compare, make_case
-from mlaserve.kernels import reference
+from cutedsl_check import SCALE, compare, make_case, make_fp8_case
+from mlaserve import ops
+from mlaserve.kernels import fp8_format, reference
 
 tk = importlib.import_module("mlaserve.kernels.triton.mla_decode")
 GLUON = tk.MLADecodeConfig(block_h=64, block_n=64, num_stages=2, gluon=True)
+FP8_TIMINGS = os.environ.get("GLUON_FP8", "1") == "1"   # GLUON_FP8=0: bf16 timings only
 
 
 def run(q, kv, table, seqlens, causal=True, num_splits=None, config=GLUON):
@@ -56,8 +61,10 @@ def check() -> int:
              # rows that are not a multiple of 64: padded tiles, rows past s_q * h never stored
              ([100, 1, 3000], 1, 16, True, None), ([100, 1, 3000, 65], 1, 32, True, 2), ([5, 700, 4000], 3, 20, True, None),
              ([129, 2, 64], 3, 128, True, None), ([3000] * 5, 2, 8, True, None)]
-    return check_shapes(cases, lambda lens, s_q, h, seed: make_case(lens, s_q, h, torch.bfloat16, seed), run,
-                        lambda kv: kv.double())
+    failed = check_shapes(cases, lambda lens, s_q, h, seed: make_case(lens, s_q, h, torch.bfloat16, seed), run,
+                          lambda kv: kv.double())
+    print("-- FP8 KV (each page dequantized into a bf16 tile; the reference on the format's values)", flush=True)
+    return failed + check_shapes(cases, make_fp8_case, run, lambda kv: fp8_format.dequantize(kv).double())
 
 
 def timings() -> None:
@@ -65,26 +72,37 @@ def timings() -> None:
     shapes = [(128, 1, 128, s_k) for s_k in (4096, 32768)] + [(128, 2, 128, 8192)]
     shapes += [(128, 1, h, s_k) for h in (64, 32) for s_k in (4096, 8192, 32768)]
     shapes += [(b, 1, h, 32768) for b in (1, 4, 16) for h in (128, 64)]
+    if os.environ.get("GLUON_SHAPES"):   # e.g. "b128 s_q1 h64 s_k8192,b4 s_q1 h128 s_k32768"
+        shapes = [sh for sh in shapes if "b{} s_q{} h{} s_k{}".format(*sh) in os.environ["GLUON_SHAPES"].split(",")]
     for b, s_q, h, s_k in shapes:
         pages = b * s_k // 64
         n = max(1, min(8, -(-copy_bytes // (pages * 64 * 576 * 2))))
-        sets = [(torch.randn(b, s_q, h, 576, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(pages, 64, 576, device="cuda", dtype=torch.bfloat16),
-                 torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, s_k // 64),
-                 torch.full((b,), s_k, device="cuda", dtype=torch.int32)) for _ in range(n)]
+        sets = []
+        for _ in range(n):
+            kv16 = torch.randn(pages, 64, 576, device="cuda", dtype=torch.bfloat16)
+            sets.append((torch.randn(b, s_q, h, 576, device="cuda", dtype=torch.bfloat16), kv16,
+                         ops.quantize_kv_fp8(kv16) if FP8_TIMINGS else None,
+                         torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, s_k // 64),
+                         torch.full((b,), s_k, device="cuda", dtype=torch.int32)))
         flops = 2 * b * s_q * h * s_k * (576 + 512)
         nbytes = b * s_k * 576 * 2 + b * s_q * h * (576 + 512) * 2
-        tl_config = replace(tk.default_config(s_q * h, False), gluon=False)
         res = {}
-        for name, config in (("gluon", GLUON), ("tl", tl_config)):
+        kinds = [("gluon", GLUON, False), ("tl", replace(tk.default_config(s_q * h, False), gluon=False), False)]
+        if FP8_TIMINGS:
+            kinds += [("gluon-fp8", GLUON, True), ("tl-fp8", replace(tk.default_config(s_q * h, True), gluon=False),
+                                                   True)]
+        for name, config, fp8 in kinds:
             def step():
-                for s in sets:
-                    run(*s, config=config)
+                for q, kv16, kv8, table, seqlens in sets:
+                    run(q, kv8 if fp8 else kv16, table, seqlens, config=config)
             us = triton.testing.do_bench_cudagraph(step, rep=100) * 1e3 / n
             res[name] = us
         print(f"b{b} s_q{s_q} h{h} s_k{s_k}: " + "  ".join(
-            f"{k} {v:7.1f} us {nbytes / v / 1e6:5.2f} TB/s {flops / v / 1e6:6.1f} TFLOP/s" for k, v in res.items())
-            + f"  gluon/tl {res['tl'] / res['gluon']:.2f}x", flush=True)
+            f"{k} {v:7.1f} us {nbytes / v / 1e6:5.2f} TB/s {flops / v / 1e6:6.1f} TFLOP/s" for k, v in res.items()
+            if not k.endswith("fp8")) + "  " + "  ".join(f"{k} {v:7.1f} us" for k, v in res.items() if k.endswith("fp8"))
+            + f"  gluon/tl {res['tl'] / res['gluon']:.2f}x"
+            + (f"  gluon-fp8 vs gluon(bf16) {res['gluon'] / res['gluon-fp8']:.2f}x, vs tl-fp8 "
+               f"{res['tl-fp8'] / res['gluon-fp8']:.2f}x" if FP8_TIMINGS else ""), flush=True)
 
 
 def main(doc: str = __doc__, check_fn=None, timings_fn=None) -> int:

@@ -397,7 +397,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     dim_pe = (fp8_format.ROPE_DIM if kv_fp8 else d_qk - head_dim_v)
     if kv_fp8 and head_dim_v != fp8_format.KV_LORA_RANK:
         raise ValueError(f"FP8 KV needs head_dim_v {fp8_format.KV_LORA_RANK}, got {head_dim_v}")
-    if cfg.gluon and cfg.block_h == 64 and not kv_fp8:
+    if cfg.gluon and cfg.block_h == 64:
         from mlaserve.kernels.triton import mla_decode_gluon
         if mla_decode_gluon.supports(q, kv_cache, head_dim_v):
             mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,

@@ -1,7 +1,7 @@
 """The dense MLA decode in Gluon, Triton's layout-explicit dialect (triton.experimental.gluon, Triton 3.6), for
-Hopper: what `ops.mla_decode(..., backend="triton")` runs for bf16 KV in page-64 caches when the plan
-says so (MLADecodeConfig.gluon, the default from 17 query rows per request up); elsewhere mla_decode.py runs
-the `tl` kernel with the same plan and grid.
+Hopper, in 64-row blocks: what `ops.mla_decode(..., backend="triton")` runs for bf16 and FP8 KV in page-64 caches
+when the plan says so (MLADecodeConfig.gluon with 64-row blocks, the default from 33 query rows per request up);
+elsewhere mla_decode.py runs the `tl` kernel with the same plan and grid.
 
 Why: the `tl` kernel tops out at 270-300 TFLOP/s at h 128 (bench/NOTES.md items 21, 23, 25): Triton
 chooses where tiles live, loads KV with cp.async per thread and serializes the MMAs with the softmax.
@@ -15,6 +15,12 @@ Here the kernel says where things live:
   faster than a reduction per page), P to shared memory, and O += P V with each
   warpgroup accumulating 256 of the 512 columns, V being the page's c_kv read MN-major from the same ring
   stage; then they free the stage.
+FP8 KV (the 656-byte format): the producer loads each page's e4m3 c_kv, scales and bf16 k_pe (three descriptors
+over the same cache rows) into the ring; the compute warps first dequantize the page's c_kv into one bf16 tile
+(the format's values, the bit trick of dequantize_group; rows past the request's end get scale 0 and become 0),
+which S and P V then read as they read a bf16 stage; the ring stage is freed as soon as S is done. One tile (the
+smem holds Q, two raw stages and one tile), so a page's dequantize waits for the P V before it: 0.77-0.87x the
+bf16 time at h 64/128, 1.7-1.8x the tl kernel's FP8 (bench/NOTES.md item 42).
 A CTA owns 64 query rows of one request (row = token j * h + head): rows past s_q * h (h 16/32, odd h)
 are computed on zeros or on the next request's queries and never stored. Cache rows past the request's
 end in its last page are zeroed in shared memory before P V (a masked P of 0 times a NaN left in an
@@ -33,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 BLOCK_M = gl.constexpr(64)    # query rows per CTA (one wgmma M)
+GROUP = gl.constexpr(128)     # FP8: columns per scale (an e4m3 TMA box is [64, 128])
+ROW_BYTES = gl.constexpr(656)  # FP8: bytes per cached token (fp8_format)
 PAGE = gl.constexpr(64)       # cached tokens per page = per step
 D_QK = gl.constexpr(576)
 D_V = gl.constexpr(512)
@@ -43,9 +51,11 @@ TWO_POW_120 = gl.constexpr(2.0 ** 120)
 
 
 @gluon.jit
-def _load_partition(q_desc, kv_desc, bt_row, q_smem, qpe_smem, kv_smem, kpe_smem, q_bar, ready, empty, q_row0,
-                    first_page, n_tiles, STAGES: gl.constexpr):
-    """The producer warp: Q once, then page t of the split into ring stage t % STAGES once it is free."""
+def _load_partition(q_desc, kv_desc, sc_desc, kpe_desc, bt_row, q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem, q_bar,
+                    ready, empty, q_row0, first_page, n_tiles, STAGES: gl.constexpr, KV_FP8: gl.constexpr):
+    """The producer warp: Q once, then page t of the split into ring stage t % STAGES once it is free (FP8: the
+    e4m3 c_kv in four [64, 128] boxes, the [64, 4] scales and the bf16 k_pe, through three descriptors over
+    the same cache rows)."""
     mbarrier.expect(q_bar, BLOCK_M * D_QK * 2)
     for c in gl.static_range(NBOX):
         tma.async_copy_global_to_shared(q_desc, [q_row0, c * BOX], q_bar, q_smem.slice(c * BOX, BOX, dim=1))
@@ -56,11 +66,19 @@ def _load_partition(q_desc, kv_desc, bt_row, q_smem, qpe_smem, kv_smem, kpe_smem
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         page = gl.load(bt_row + first_page + t)
         bar = ready.index(s)
-        mbarrier.expect(bar, PAGE * D_QK * 2)
-        for c in gl.static_range(NBOX):
-            tma.async_copy_global_to_shared(kv_desc, [page * PAGE, c * BOX], bar,
-                                            kv_smem.index(s).slice(c * BOX, BOX, dim=1))
-        tma.async_copy_global_to_shared(kv_desc, [page * PAGE, D_V], bar, kpe_smem.index(s))
+        if KV_FP8:
+            mbarrier.expect(bar, PAGE * ROW_BYTES)
+            for g in gl.static_range(D_V // GROUP):
+                tma.async_copy_global_to_shared(kv_desc, [page * PAGE, g * GROUP], bar,
+                                                kv_smem.index(s).slice(g * GROUP, GROUP, dim=1))
+            tma.async_copy_global_to_shared(sc_desc, [page * PAGE, D_V // 4], bar, sc_smem.index(s))
+            tma.async_copy_global_to_shared(kpe_desc, [page * PAGE, (D_V + 16) // 2], bar, kpe_smem.index(s))
+        else:
+            mbarrier.expect(bar, PAGE * D_QK * 2)
+            for c in gl.static_range(NBOX):
+                tma.async_copy_global_to_shared(kv_desc, [page * PAGE, c * BOX], bar,
+                                                kv_smem.index(s).slice(c * BOX, BOX, dim=1))
+            tma.async_copy_global_to_shared(kv_desc, [page * PAGE, D_V], bar, kpe_smem.index(s))
 
 
 @gluon.jit
@@ -111,10 +129,14 @@ def zero_rows_from(kv, first, col0: gl.constexpr, ncols: gl.constexpr, LAYOUT: g
 
 
 @gluon.jit
-def _compute_partition(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready, empty, n_tiles, start, seqlen,
-                       vis_len, min_vis, qk_scale, STAGES: gl.constexpr, DTYPE: gl.constexpr,
-                       S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
-    """The 8 compute warps: the online softmax over the split's pages -> (O unnormalized, row max, row sum)."""
+def _compute_partition(q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem, kbuf, p_smem, q_bar, ready, empty, n_tiles,
+                       start, seqlen, vis_len, min_vis, qk_scale, STAGES: gl.constexpr, DTYPE: gl.constexpr,
+                       S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, KV_FP8: gl.constexpr):
+    """The 8 compute warps: the online softmax over the split's pages -> (O unnormalized, row max, row sum).
+    FP8: each page's c_kv is first dequantized from its ring stage into the one bf16 tile kbuf (the format's
+    values; rows past the request's end become 0), which S and P V then read; the stage is freed once S is done."""
+    CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])     # [64, 128]: 16 bytes a thread
+    SCL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])      # [64, 4] scales, CVT's rows
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     COL_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
@@ -126,13 +148,25 @@ def _compute_partition(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready
     for t in range(n_tiles):
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        kv = kv_smem.index(s)
+        tok0 = start + t * PAGE
+        if KV_FP8:
+            scales = sc_smem.index(s).load(SCL)
+            for g in gl.static_range(D_V // GROUP):
+                dequantize_group(kv_smem.index(s).slice(g * GROUP, GROUP, dim=1), scales,
+                                 kbuf.slice(g * GROUP, GROUP, dim=1), g, seqlen - tok0, CVT, SCL)
+            fence_async_shared()
+            gl.thread_barrier()                   # the tile in place for both warpgroups' wgmma
+            kv = kbuf
+        else:
+            kv = kv_smem.index(s)
         sc = warpgroup_mma(q_smem, kv.permute((1, 0)), gl.zeros([BLOCK_M, PAGE], gl.float32, S_LAYOUT),
                            use_acc=False, is_async=True)
         sc = warpgroup_mma(qpe_smem, kpe_smem.index(s).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(0, deps=[sc])
+        if KV_FP8:
+            gl.thread_barrier()                   # both warpgroups are done with the stage (raw c_kv, k_pe)
+            mbarrier.arrive(empty.index(s))
         sc = sc * qk_scale
-        tok0 = start + t * PAGE
         if tok0 + PAGE > min_vis:
             keys = tok0 + gl.arange(0, PAGE, COL_S)
             sc = gl.where(keys[None, :] < vis[:, None], sc, float("-inf"))
@@ -143,7 +177,7 @@ def _compute_partition(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready
         p = gl.exp2(sc - m_base[:, None])
         l_acc = l_acc * alpha[:, None] + p
         m_i = m_new
-        if tok0 + PAGE > seqlen:
+        if not KV_FP8 and tok0 + PAGE > seqlen:
             # S is done with them: they are masked keys (8 warps, a box at a time)
             zero_rows_from(kv, seqlen - tok0, 0, D_V, gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0]))
         p_smem.store(p.to(DTYPE))
@@ -152,8 +186,9 @@ def _compute_partition(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready
         acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
         acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()                       # both warpgroups are done reading the stage and P
-        mbarrier.arrive(empty.index(s))
+        gl.thread_barrier()                       # both warpgroups are done reading the stage (tile) and P
+        if not KV_FP8:
+            mbarrier.arrive(empty.index(s))
     return acc, m_i, gl.sum(l_acc, 1)
 
 
@@ -189,13 +224,15 @@ def finish_rows(m_i, l_i, ROW_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale,
-                             num_splits, H, S_Q, ROWS, stride_btb, stride_pob, stride_pos,
+def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
+                             pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_btb, stride_pob, stride_pos,
                              CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                             DTYPE: gl.constexpr):
+                             DTYPE: gl.constexpr, KV_FP8: gl.constexpr):
     """Grid (b * cdiv(ROWS, 64), num_splits); 8 warps + the producer warp. q_desc: q as [b * ROWS, 576] (row =
-    token j * H + head), kv_desc: the cache as [pages * 64, 576]; boxes [64, 64]. out [b * ROWS, 512]; lse
-    [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
+    token j * H + head), kv_desc: the cache as [pages * 64, 576], boxes [64, 64] (sc_desc, kpe_desc: the same);
+    FP8: the cache as [pages * 64, 656] bytes seen as e4m3 ([64, 128] boxes), fp32 scales ([64, 4]) and bf16
+    k_pe ([64, 64]). out [b * ROWS, 512]; lse [b * ROWS]; with splits po [b, splits, ROWS, 512] /
+    pl [b, splits, ROWS] fp32 instead."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, 256, 16])
@@ -214,7 +251,17 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_
     # shared buffers have power-of-two shapes: c_kv ([.., 512]) and k_pe ([.., 64]) apart
     q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, D_V], SMEM)
     qpe_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, BOX], SMEM)
-    kv_smem = gl.allocate_shared_memory(DTYPE, [STAGES, PAGE, D_V], SMEM)   # a rank-2 layout per stage
+    if KV_FP8:
+        # a ring of raw pages (e4m3 c_kv, scales, bf16 k_pe) and one bf16 c_kv tile they are dequantized into
+        kv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PAGE, D_V], gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=8, rank=2))
+        sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE, 4], gl.NVMMASharedLayout(
+            swizzle_byte_width=0, element_bitwidth=32, rank=2))
+        kbuf = gl.allocate_shared_memory(DTYPE, [PAGE, D_V], SMEM)
+    else:
+        kv_smem = gl.allocate_shared_memory(DTYPE, [STAGES, PAGE, D_V], SMEM)   # a rank-2 layout per stage
+        sc_smem = kv_smem         # unused
+        kbuf = kv_smem            # unused: the stage is the tile
     kpe_smem = gl.allocate_shared_memory(DTYPE, [STAGES, PAGE, BOX], SMEM)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -229,10 +276,11 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_
     q_row0 = b * ROWS + tile * BLOCK_M
     p_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, PAGE], SMEM)
     acc, m_i, l_i = gl.warp_specialize(
-        [(_compute_partition, (q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, q_bar, ready, empty, n_tiles, start,
-                               seqlen, vis_len, min_vis, qk_scale, STAGES, DTYPE, S_LAYOUT, O_LAYOUT)),
-         (_load_partition, (q_desc, kv_desc, bt_row, q_smem, qpe_smem, kv_smem, kpe_smem, q_bar, ready, empty,
-                            q_row0, start // PAGE, n_tiles, STAGES))],
+        [(_compute_partition, (q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem, kbuf, p_smem, q_bar, ready, empty,
+                               n_tiles, start, seqlen, vis_len, min_vis, qk_scale, STAGES, DTYPE, S_LAYOUT, O_LAYOUT,
+                               KV_FP8)),
+         (_load_partition, (q_desc, kv_desc, sc_desc, kpe_desc, bt_row, q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem,
+                            q_bar, ready, empty, q_row0, start // PAGE, n_tiles, STAGES, KV_FP8))],
         [1], [24])
 
     inv_l, lse = finish_rows(m_i, l_i, ROW_O)
@@ -255,11 +303,12 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16}
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
-    """Whether this kernel takes the call: a Hopper GPU, a contiguous page-64 bf16 cache and bf16 q, d_qk 576 /
-    d_v 512."""
+    """Whether this kernel takes the call: a Hopper GPU, bf16 q with d_qk 576 / d_v 512, and a contiguous
+    page-64 cache in q's dtype or in the FP8 format."""
     d_qk = q.shape[-1]
+    fp8 = kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3 and kv_cache.shape[2] == ROW_BYTES.value
     return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
-            and kv_cache.dtype == q.dtype and q.dtype in _GL_DTYPES and kv_cache.dim() == 3
+            and (kv_cache.dtype == q.dtype or fp8) and q.dtype in _GL_DTYPES and kv_cache.dim() == 3
             and kv_cache.is_contiguous() and kv_cache.shape[1] == PAGE.value and d_qk == D_QK.value
             and head_dim_v == D_V.value)
 
@@ -270,19 +319,31 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with a 64-row, 64-token config."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from mlaserve.kernels import fp8_format
     from mlaserve.kernels.triton.mla_decode import combine_splits
+    assert fp8_format.PACKED_BYTES == ROW_BYTES.value
     b, s_q, h, _ = q.shape
     rows = s_q * h
     smem = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # descriptor shapes are plain ints on the host (the module's gl.constexpr globals are for the kernels)
     block_m, box, page, d_qk = BLOCK_M.value, BOX.value, PAGE.value, D_QK.value
     q_desc = TensorDescriptor.from_tensor(q.contiguous().view(b * rows, d_qk), [block_m, box], smem)
-    kv_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, d_qk), [page, box], smem)
+    kv_fp8 = kv_cache.dtype == torch.uint8
+    if kv_fp8:
+        # three views of the same cache rows: e4m3 c_kv, fp32 scales, bf16 k_pe
+        flat = kv_cache.view(-1, ROW_BYTES.value)
+        kv_desc = TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [page, GROUP.value],
+                                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+        sc_desc = TensorDescriptor.from_tensor(flat.view(torch.float32), [page, 4],
+                                               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+        kpe_desc = TensorDescriptor.from_tensor(flat.view(torch.bfloat16), [page, box], smem)
+    else:
+        kv_desc = sc_desc = kpe_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, d_qk), [page, box], smem)
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)
     _mla_decode_gluon_kernel[(b * triton.cdiv(rows, block_m), plan.num_splits)](
-        q_desc, kv_desc, block_table, cache_seqlens, out, lse, po, pl, softmax_scale * LOG2E.value,
+        q_desc, kv_desc, sc_desc, kpe_desc, block_table, cache_seqlens, out, lse, po, pl, softmax_scale * LOG2E.value,
         plan.num_splits, h, s_q, rows, block_table.stride(0), po.stride(0), po.stride(1),
-        CAUSAL=causal, IS_SPLIT=split, STAGES=stages, DTYPE=_GL_DTYPES[q.dtype], num_warps=8)
+        CAUSAL=causal, IS_SPLIT=split, STAGES=stages, DTYPE=_GL_DTYPES[q.dtype], KV_FP8=kv_fp8, num_warps=8)
     if split:
         combine_splits(plan, out, lse)

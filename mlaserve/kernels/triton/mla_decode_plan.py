@@ -22,7 +22,7 @@ class MLADecodeConfig:
     max_splits: int = _MAX_SPLITS  # at most this many KV splits per request (the combine reads them in series)
     lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
     gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
-                                 # page-64 caches: mla_decode_gluon.py for bf16 KV in 64-row blocks,
+                                 # page-64 caches: mla_decode_gluon.py in 64-row blocks (bf16 or FP8 KV),
                                  # mla_decode_gluon_narrow.py for <= 32 rows in 16/32-row blocks; else tl
 
     def __post_init__(self):
@@ -55,7 +55,8 @@ class MLADecodeConfig:
 #   against 34.0 with 128 (scripts/split_sweep.py); b 4/16 and FP8 KV keep their one-wave counts;
 # - from 33 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.24-1.64x the tl kernel
 #   at h 64/128 (scripts/gluon_check.py);
-# - from 33 rows, FP8 KV: the tl kernel, whose wgmma 64-row blocks have both warpgroups compute S along M.
+# - from 33 rows, FP8 KV: the 64-row Gluon kernel too, each page dequantized into one bf16 tile before S
+#   (bench/NOTES.md item 42); the tl kernel ran FP8 there at 0.44x its bf16.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (16, "bf16"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=3, gluon=True,
@@ -66,9 +67,9 @@ DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (32, "fp8"): MLADecodeConfig(block_h=32, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
-    (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
-    (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2),
+    (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
+    (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
+    (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
 }
 
 
