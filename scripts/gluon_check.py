@@ -84,6 +84,10 @@ def timings() -> None:
                          ops.quantize_kv_fp8(kv16) if FP8_TIMINGS else None,
                          torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, s_k // 64),
                          torch.full((b,), s_k, device="cuda", dtype=torch.int32)))
+        # do_bench_cudagraph runs on a stream of its own, which does not wait for the default stream's work: the
+        # inputs must be complete first (without this, a kernel read a block table and lengths still being
+        # written and faulted at b128 h64 s_k 8192 once the FP8 copies made the set-up long)
+        torch.cuda.synchronize()
         flops = 2 * b * s_q * h * s_k * (576 + 512)
         nbytes = b * s_k * 576 * 2 + b * s_q * h * (576 + 512) * 2
         res = {}
