@@ -46,9 +46,9 @@ def _cfg(heads):
 
 
 @pytest.mark.parametrize("heads,extend,want", [
-    (16, [1, 1], "triton"),        # up to 32 rows: Triton level with FlashInfer or ahead, the primary keeps them
-    (32, [1, 1], "triton"),
-    (64, [1, 1], "flashinfer"),    # 33+ rows in DECODE: FlashInfer measured faster
+    (16, [1, 1], "triton"),        # up to 16 rows: Triton level with both peers or ahead, the primary keeps them
+    (32, [1, 1], "cutedsl_mla"),   # 17-32 rows: FlashInfer's rule starts at 33, the CuTe DSL kernel's at 17
+    (64, [1, 1], "flashinfer"),    # 33+ rows in DECODE: FlashInfer first in order of preference
     (128, [1], "flashinfer"),
     (128, [5, 3], "triton"),       # EXTEND steps stay with the primary
 ])
@@ -74,8 +74,9 @@ def test_auto_without_peer_and_for_dsa():
 
 
 @pytest.mark.parametrize("runnable,primary,peers", [
-    ({"triton", "flashinfer", "cutedsl_mla"}, "cutedsl_mla", ("flashinfer",)),
-    ({"triton", "cutedsl_mla"}, "cutedsl_mla", ()),
+    ({"triton", "flashinfer", "cutedsl_mla"}, "cutedsl_mla", ("flashinfer", "triton")),
+    ({"triton", "cutedsl_mla"}, "cutedsl_mla", ("triton",)),
+    ({"flashinfer", "cutedsl_mla"}, "cutedsl_mla", ("flashinfer",)),
     ({"triton", "flashinfer"}, "triton", ("flashinfer",)),
     ({"triton"}, "triton", ()),
 ])
@@ -98,12 +99,15 @@ def test_auto_primary_and_decode_peers_are_those_that_run_here(monkeypatch, runn
     (128, 1, 64, "cutedsl_mla"),    # large batch: level or faster, the primary keeps it
     (64, 2, 4, "flashinfer"),       # 128 rows from 64 heads x 2 tokens
     (64, 1, 4, "cutedsl_mla"),
-    (16, 1, 1, "cutedsl_mla"),
+    (32, 1, 128, "cutedsl_mla"),    # 17+ rows: the CuTe DSL kernel ahead of Triton's
+    (16, 1, 1, "triton"),           # up to 16 rows: Triton's keys-on-M kernel level or ahead
+    (16, 1, 128, "triton"),
+    (8, 2, 4, "triton"),            # 16 rows from 8 heads x 2 tokens
 ])
-def test_auto_with_cutedsl_primary_gives_flashinfer_only_its_decode_steps(heads, s_q, batch, want):
+def test_auto_with_cutedsl_primary_gives_peers_their_decode_steps(heads, s_q, batch, want):
     cfg = _cfg(heads)
     auto = AutoBackend(cfg, _Fake(cfg, "cutedsl_mla"), (_Fake(cfg, "flashinfer"), _Fake(cfg, "triton")))
-    assert [p.name for p in auto.decode_peers] == ["flashinfer"]     # triton has no rule against cutedsl_mla
+    assert [p.name for p in auto.decode_peers] == ["flashinfer", "triton"]
     layout = BatchLayout.build([4] * batch, [1] * batch, [[1]] * batch, 64, "cpu")
     if s_q > 1:    # DECODE-mode steps carry one token each; s_q new tokens arrive as a uniform EXTEND
         layout = BatchLayout.build([4] * batch, [s_q] * batch, [[1]] * batch, 64, "cpu", mode=ForwardMode.DECODE)

@@ -3,22 +3,21 @@
 The primary backend runs everything no decode peer takes: `cutedsl_mla` where it can run (Hopper, the
 CuTe DSL installed, page 64), else `triton` on a GPU, `torch` on the CPU (where Triton would only run
 through its interpreter). Decode peers take the DECODE steps where they measured faster than that
-primary (DECODE_RULES). Measured on the H200, CUDA-graph timing, page 64
-(bench/results/h200-20261130-a395c1d-cutedsl.json, h200-20261130-9018ee4-cutedsl-fp8.json,
-h200-20261130-0081d29e95a6.json, h200-20261130-d9dab88.json):
+primary (DECODE_RULES). Measured on the H200, CUDA-graph timing, page 64, all three kernels in one run
+(bench/results/h200-20261130-266e5ce-cutedsl.json; earlier runs: h200-20261130-a395c1d-cutedsl.json,
+h200-20261130-9018ee4-cutedsl-fp8.json, h200-20261130-d9dab88.json):
 - against `cutedsl_mla`, FlashInfer's fa3 MLA wins at 128 query rows per request in small batches
-  (b 1/4/16 at s_k 32768: 1.03-1.04/1.14-1.20/1.08-1.09x over the two runs); elsewhere the CuTe DSL kernel
-  is level or faster at h16-h64 (1.00-1.14x), and at h128 b128 the two trade places from run to run
-  (0.95-1.07x in one, 0.87-1.02x in the other), so those stay; FlashInfer cannot read the FP8 cache;
-- against `triton` (h200-20261130-d9dab88.json), FlashInfer wins from 64 rows on (Triton at 0.90-1.00x at
-  h 64 and 0.78-0.84x at h 128); up to 32 rows Triton's keys-on-M kernel keeps the steps: 1.03-1.12x
-  FlashInfer at h 16 (b 128; 1.01-1.70x at b 16/4/1) and 0.96-1.08x at h 32 (behind by 3-4% at s_k 4k-8k,
-  ahead by 3-8% at 16k-32k). The CuTe DSL kernel has not been timed beside that kernel (session 5 had it
-  at 1.00-1.14x FlashInfer up to 64 rows), so it takes the same steps as FlashInfer from a triton primary;
-  where it runs it is the primary anyway.
-Peers have no DSA kernels or FP8 path here: EXTEND steps and DSA layers stay with the primary.
+  (b 4 at s_k 32768: 1.07x in this run, 1.14-1.20x in the earlier two; b 1/16 level); at h128 b128 the two
+  trade places from run to run (0.96-1.03x here), so those stay; FlashInfer cannot read the FP8 cache;
+- against `cutedsl_mla`, Triton's keys-on-M kernel wins up to 16 rows: level at b128 h16 bf16 (0.99-1.00x),
+  ahead with FP8 KV (1.04-1.06x at b128, 1.06-1.08x at b 1/16) and at b1 h16 bf16 (35.3 vs 31.0 us); from 17
+  rows the CuTe DSL kernel is ahead (h32: 1.07-1.13x bf16, 1.18-1.20x FP8; h64/h128: 1.10-1.25x bf16);
+- against `triton` (a primary only where the CuTe DSL cannot run), FlashInfer wins from 64 rows on (Triton at
+  0.92-1.02x at h 64, 0.79-0.91x at h 128); up to 32 rows Triton keeps the steps: 1.03-1.09x FlashInfer at
+  h 16 (b 128; 1.01-1.70x at b 16/4/1) and 0.96-1.04x at h 32 (behind by 4% at s_k 4k-8k, ahead at 16k-32k);
+  the CuTe DSL kernel would take the steps from 17 rows.
+Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
-
 from dataclasses import dataclass
 
 from mlaserve.attention.base import AttentionBackend, BackendConfig
@@ -27,19 +26,22 @@ from mlaserve.attention.batch import BatchLayout, ForwardMode
 
 @dataclass(frozen=True)
 class DecodeRule:
-    """The DECODE steps a peer takes from a primary: those with at least `min_rows` query rows (heads x new
-    tokens) per request and at most `max_batch` requests (None: any)."""
+    """The DECODE steps a peer takes from a primary: those with `min_rows` .. `max_rows` query rows (heads x new
+    tokens) per request and at most `max_batch` requests (None: no bound)."""
     min_rows: int
     max_batch: int | None = None
+    max_rows: int | None = None
 
     def takes(self, rows: int, batch: int) -> bool:
-        return rows >= self.min_rows and (self.max_batch is None or batch <= self.max_batch)
+        return (rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows)
+                and (self.max_batch is None or batch <= self.max_batch))
 
 
 # primary name -> {peer name: rule}, from the measurements in the module docstring
 DECODE_RULES: dict[str, dict[str, DecodeRule]] = {
-    "cutedsl_mla": {"flashinfer": DecodeRule(min_rows=128, max_batch=16)},
-    "triton": {"flashinfer": DecodeRule(min_rows=33), "cutedsl_mla": DecodeRule(min_rows=33)},
+    "cutedsl_mla": {"flashinfer": DecodeRule(min_rows=128, max_batch=16),
+                    "triton": DecodeRule(min_rows=1, max_rows=16)},
+    "triton": {"flashinfer": DecodeRule(min_rows=33), "cutedsl_mla": DecodeRule(min_rows=17)},
 }
 
 

@@ -55,7 +55,7 @@ def available(config: BackendConfig) -> list[str]:
 _AUTO_ORDER = ("cutedsl_mla", "triton", "torch")
 # Its DECODE peers in order of preference; those that run here with the config and have a rule against the
 # primary (auto_backend.DECODE_RULES) are used.
-_AUTO_DECODE_PEERS = ("flashinfer", "cutedsl_mla")
+_AUTO_DECODE_PEERS = ("flashinfer", "cutedsl_mla", "triton")
 
 
 def _create_auto(config: BackendConfig, dsa: bool, **kwargs) -> AttentionBackend:
