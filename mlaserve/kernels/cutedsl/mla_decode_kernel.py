@@ -20,10 +20,14 @@ Warp roles (384 threads, three warpgroups):
   (A and B from smem) reads 3 KB of smem per 16 tensor-core clocks, more than smem's 128 B/clock give
   (m64n64: 4 KB per 32 clocks).
 
-  One own tile t of consumer w, in order (t >= 1; consumer 0 skips a-c for t = 0):
+  One own tile t of consumer w, in order (t >= 1; consumer 0 skips a-b for t = 0):
     a. wait for P(t-1) (named barrier the other consumer arrives on), read m(t-1)
-    b. O_w, l_w rescaled to m(t-1); O_w += P(t-1) V_{t-1,w} (A from smem); release stage t-1
+    b. O_w, l_w rescaled to m(t-1); O_w += P(t-1) V_{t-1,w} (A from smem); wait; release stage t-1
     c. wait KV full(t); S = Q K_t^T
+       In clusters (128 rows per request: h 128, h 64 s_q 2), where the MMAs bound the time, b's wgmma is not
+       waited for: S is queued right behind it, then b's wait and release come before S's wait (2.3-3.0%
+       faster there on the H200, bench/NOTES.md item 44). Elsewhere the release of stage t-1 stays ahead of the
+       wait for KV(t), which keeps the next page's load from waiting for this one's.
     d. mask, m(t) = max(m(t-1), rowmax S), P = exp2(S - m(t)), l_w += rowsum P
     e. write P(t), m(t) to smem (and zero V rows past the request's end), fence, arrive "P(t) ready"
     f. O_w rescaled to m(t); issue O_w += P(t) V_{t,w} (A from registers); wait; release stage t
@@ -50,7 +54,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
-    other_tile_pv, seesaw_operands, seesaw_tiled_mmas)
+    other_tile_pv, other_tile_pv_issue, seesaw_operands, seesaw_tiled_mmas)
 from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, quad_row_max, scale_rows
 
 PRODUCER_REGS = 24
@@ -259,11 +263,21 @@ class MLADecodeSm90:
                 own = tile_state(t)
                 if t > 0:
                     # -- a, b: the other consumer's tile t - 1 into this half of O --
-                    other_tile_pv(cw, tile_state(t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
-                                  row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
+                    if const_expr(self.cluster > 1):
+                        # issued, not waited for: S below is queued right behind it
+                        other_tile_pv_issue(cw, tile_state(t - 1), kv_pipe.consumer_wait, sMax, r0, row_m, row_l,
+                                            acc_o, tiled_mma_pv, tOrPs, tOrV)
+                    else:
+                        other_tile_pv(cw, tile_state(t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
+                                      r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
                 # -- c: S = Q K_t^T --
                 kv_pipe.consumer_wait(own)
                 issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+                if const_expr(self.cluster > 1):
+                    # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
+                    warpgroup.wait_group(1)
+                    if t > 0:
+                        kv_pipe.consumer_release(tile_state(t - 1))
                 warpgroup.wait_group(0)
                 # -- d: mask, running max, P --
                 for i in cutlass.range_constexpr(cute.size(acc_s)):

@@ -103,6 +103,17 @@ def other_tile_pv(cw: Int32, st: pipeline.PipelineState, wait_stage, release_sta
     held back behind a late load would delay the load after it too. The stage is already complete (its
     owner waited for it before S); waited here too so that this consumer's own reads of V are ordered after
     the load by the barrier itself."""
+    other_tile_pv_issue(cw, st, wait_stage, sMax, r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
+    warpgroup.wait_group(0)
+    release_stage(st)
+
+
+@cute.jit
+def other_tile_pv_issue(cw: Int32, st: pipeline.PipelineState, wait_stage, sMax: cute.Tensor, r0: Int32,
+                        row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma,
+                        tOrPs: cute.Tensor, tOrV: cute.Tensor):
+    """other_tile_pv's steps a, b up to the issue of O_w += P V_w: the caller waits for it (and releases the stage)
+    after issuing its own next wgmma behind it."""
     cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
     wait_stage(st)
     alpha = cute.make_rmem_tensor(2, Float32)
@@ -111,8 +122,6 @@ def other_tile_pv(cw: Int32, st: pipeline.PipelineState, wait_stage, release_sta
         move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
     scale_rows(acc_o, alpha)
     issue_mma(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
-    warpgroup.wait_group(0)
-    release_stage(st)
 
 
 @cute.jit
