@@ -19,8 +19,9 @@ FP8 KV (the 656-byte format): the producer loads each page's e4m3 c_kv, scales a
 over the same cache rows) into the ring; the compute warps first dequantize the page's c_kv into one bf16 tile
 (the format's values, the bit trick of dequantize_group; rows past the request's end get scale 0 and become 0),
 which S and P V then read as they read a bf16 stage; the ring stage is freed as soon as S is done. One tile (the
-smem holds Q, two raw stages and one tile), so a page's dequantize waits for the P V before it: 0.77-0.87x the
-bf16 time at h 64/128, 1.7-1.8x the tl kernel's FP8 (bench/NOTES.md item 42).
+smem holds Q, two raw stages and one tile), so a page's dequantize waits for the P V before it: 0.72-0.79x the
+bf16 time at h 64/128 in the benchmark (0.77-0.92x in scripts/gluon_check.py), 1.7-1.8x the tl kernel's FP8
+(bench/NOTES.md item 42).
 A CTA owns 64 query rows of one request (row = token j * h + head): rows past s_q * h (h 16/32, odd h)
 are computed on zeros or on the next request's queries and never stored. Cache rows past the request's
 end in its last page are zeroed in shared memory before P V (a masked P of 0 times a NaN left in an
