@@ -25,6 +25,7 @@ step (config, split count, workspace); `mla_decode(..., plan=...)` only launches
 
 import dataclasses
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -341,6 +342,26 @@ def _combine_kernel(
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+class CombineConfig(NamedTuple):
+    """The split combine's launch: BLOCK_R rows x BLOCK_C columns per program, SPLIT_CHUNK splits per load."""
+    block_r: int
+    block_c: int
+    split_chunk: int
+    num_warps: int
+
+
+def combine_config(total_rows: int, num_splits: int, d_v: int, num_sms: int) -> CombineConfig:
+    """The combine's launch for b * s_q * h rows of `num_splits` partials (scripts/combine_sweep.py times others)."""
+    block_c = min(128, max(32, triton.next_power_of_2(d_v)))
+    chunks = triton.cdiv(d_v, block_c)
+    # rows per program: up to 16, as long as the grid still has about 4 programs per SM (a large batch
+    # with a few splits would otherwise launch one tiny program per row and column chunk)
+    block_r = 1
+    while block_r < 16 and triton.cdiv(total_rows, 2 * block_r) * chunks >= 4 * num_sms:
+        block_r *= 2
+    return CombineConfig(block_r, block_c, max(1, 8 // block_r), 4)
+
+
 def combine_splits(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) -> None:
     """out [b, s_q, h, d_v], lse [b, s_q, h] from the plan's per-split partials (the combine of the Triton and
     the CuTe DSL decodes). Launching it as a programmatic dependent of the split kernel (launch_pdl, with
@@ -349,19 +370,13 @@ def combine_splits(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) ->
     b, s_q, h, d_v = out.shape
     po, pl = plan.partial_out, plan.partial_lse
     total_rows = b * s_q * h
-    block_c = min(128, max(32, triton.next_power_of_2(d_v)))
-    chunks = triton.cdiv(d_v, block_c)
-    # rows per program: up to 16, as long as the grid still has about 4 programs per SM (a large batch
-    # with a few splits would otherwise launch one tiny program per row and column chunk)
-    block_r = 1
-    while block_r < 16 and triton.cdiv(total_rows, 2 * block_r) * chunks >= 4 * _num_sms(out.device):
-        block_r *= 2
-    _combine_kernel[(triton.cdiv(total_rows, block_r), chunks)](
+    cfg = combine_config(total_rows, plan.num_splits, d_v, _num_sms(out.device))
+    _combine_kernel[(triton.cdiv(total_rows, cfg.block_r), triton.cdiv(d_v, cfg.block_c))](
         po, pl, out, lse, plan.num_splits, h, total_rows,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), s_q * h,
-        HEAD_DIM_V=d_v, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(plan.num_splits),
-        SPLIT_CHUNK=max(1, 8 // block_r), BLOCK_C=block_c, num_warps=4)
+        HEAD_DIM_V=d_v, BLOCK_R=cfg.block_r, BLOCK_S=triton.next_power_of_2(plan.num_splits),
+        SPLIT_CHUNK=cfg.split_chunk, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=True, head_dim_v=512,
