@@ -23,7 +23,7 @@ from mlaserve.attention.batch import BatchLayout, ForwardMode
 from mlaserve.attention.torch_backend import TorchBackend, _ragged_mha
 from mlaserve.kernels import fp8_format, reference
 from mlaserve.kernels.triton import mla_decode as _  # noqa: F401  (the package resolves the op lazily)
-from mlaserve.kernels.triton.mla_decode import (MLADecodeConfig, choose_num_splits, full_wave_splits,
+from mlaserve.kernels.triton.mla_decode import (MLADecodeConfig, choose_num_splits, combine_config, full_wave_splits,
                                                 mla_decode, plan_mla_decode, workspace_numel)
 
 POISON_PAGE = 1 << 20
@@ -120,6 +120,16 @@ def test_combine_takes_blocks_of_rows():
     kv, table, seqlens = make_paged(lens, 16, 80, torch.float16, gen)
     q = torch.randn(40, 1, 13, 80, generator=gen).to(torch.float16)
     check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=3)
+
+
+def test_combine_reads_more_than_128_splits_in_chunks():
+    """130 splits of one page each: the combine loads 128 splits at a time (combine_config), so the last 2 come
+    in a second, mostly masked chunk; a short request sees nothing in most splits."""
+    gen = torch.Generator().manual_seed(130)
+    kv, table, seqlens = make_paged([130 * 16, 20], 16, 80, torch.float16, gen)
+    q = torch.randn(2, 1, 3, 80, generator=gen).to(torch.float16)
+    assert combine_config(6, 130, 64, 132).split_chunk == 128
+    check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=130)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -351,15 +351,16 @@ class CombineConfig(NamedTuple):
 
 
 def combine_config(total_rows: int, num_splits: int, d_v: int, num_sms: int) -> CombineConfig:
-    """The combine's launch for b * s_q * h rows of `num_splits` partials (scripts/combine_sweep.py times others)."""
+    """The combine's launch for b * s_q * h rows of `num_splits` partials: every split of a row in one load (up to
+    128), 128 columns, and as many rows per program as keep a program's [rows, splits, 128] fp32 tile at 16384
+    values (at most 16 rows). All of a program's loads are then in flight at once, where the rule before read 8
+    splits at a time: scripts/combine_sweep.py on the H200 (whole decode calls, bench/NOTES.md item 46) took b 1
+    h 128 from 45.2 to 35.9 us, b 4 h 128 from 85.0 to 79.5, b 4 h 64 from 70.0 to 59.8 (the CuTe kernel) and
+    Triton's b 1 h 16 from 31.2 to 27.5, b 4 h 16 from 58.8 to 56.2; the best of 13-21 configs at every shape."""
     block_c = min(128, max(32, triton.next_power_of_2(d_v)))
-    chunks = triton.cdiv(d_v, block_c)
-    # rows per program: up to 16, as long as the grid still has about 4 programs per SM (a large batch
-    # with a few splits would otherwise launch one tiny program per row and column chunk)
-    block_r = 1
-    while block_r < 16 and triton.cdiv(total_rows, 2 * block_r) * chunks >= 4 * num_sms:
-        block_r *= 2
-    return CombineConfig(block_r, block_c, max(1, 8 // block_r), 4)
+    split_chunk = min(128, triton.next_power_of_2(num_splits))
+    block_r = max(1, min(16, 16384 // (split_chunk * block_c), triton.next_power_of_2(total_rows)))
+    return CombineConfig(block_r, block_c, split_chunk, 4)
 
 
 def combine_splits(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) -> None:
