@@ -4,11 +4,13 @@ The primary backend runs everything no decode peer takes: `cutedsl_mla` where it
 CuTe DSL installed, page 64), else `triton` on a GPU, `torch` on the CPU (where Triton would only run
 through its interpreter). Decode peers take the DECODE steps where they measured faster than that
 primary (DECODE_RULES). Measured on the H200, CUDA-graph timing, page 64, all three kernels in one run
-(bench/results/h200-20261130-266e5ce-cutedsl.json; earlier runs: h200-20261130-a395c1d-cutedsl.json,
-h200-20261130-9018ee4-cutedsl-fp8.json, h200-20261130-d9dab88.json):
-- against `cutedsl_mla`, FlashInfer's fa3 MLA wins at 128 query rows per request in small batches
-  (b 4 at s_k 32768: 1.07x in this run, 1.14-1.20x in the earlier two; b 1/16 level); at h128 b128 the two
-  trade places from run to run (0.96-1.03x here), so those stay; FlashInfer cannot read the FP8 cache;
+(bench/results/h200-20261130-e49dd98-rows128.json, h200-20261130-0a09248-cutedsl.json; earlier runs:
+h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-20261130-d9dab88.json):
+- against `cutedsl_mla`, FlashInfer's fa3 MLA no longer wins anywhere by more than noise: at 128 query rows
+  per request in small batches (s_k 32768) it took b 4 by 7-20% until the split combine loaded all splits at
+  once (bench/NOTES.md item 46); now b 1/4/16 are 1.25/0.99/1.01x (cutedsl ahead at b 1 and 16, FlashInfer
+  1% ahead at b 4), and at b 128 the two trade places from run to run (0.93-1.07x), so cutedsl keeps every
+  step; FlashInfer cannot read the FP8 cache;
 - against `cutedsl_mla`, Triton's keys-on-M kernel wins up to 16 rows: level at b128 h16 bf16 (0.99-1.00x),
   ahead with FP8 KV (1.04-1.06x at b128, 1.06-1.08x at b 1/16) and at b1 h16 bf16 (35.3 vs 31.0 us); from 17
   rows the CuTe DSL kernel is ahead (h32: 1.07-1.13x bf16, 1.18-1.20x FP8; h64/h128: 1.10-1.25x bf16);
@@ -39,8 +41,7 @@ class DecodeRule:
 
 # primary name -> {peer name: rule}, from the measurements in the module docstring
 DECODE_RULES: dict[str, dict[str, DecodeRule]] = {
-    "cutedsl_mla": {"flashinfer": DecodeRule(min_rows=128, max_batch=16),
-                    "triton": DecodeRule(min_rows=1, max_rows=16)},
+    "cutedsl_mla": {"triton": DecodeRule(min_rows=1, max_rows=16)},
     "triton": {"flashinfer": DecodeRule(min_rows=33), "cutedsl_mla": DecodeRule(min_rows=17)},
 }
 

@@ -10,7 +10,7 @@ from test_llm import VOCAB, write_byte_tokenizer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_auto_has_flashinfer_as_a_decode_peer_and_matches_triton(tmp_path):
+def test_auto_decode_peers_follow_the_rules_and_match_triton(tmp_path):
     from mlaserve import LLM, SamplingParams
     from mlaserve.attention import flashinfer_backend
     from model_factory import build_checkpoint
@@ -28,10 +28,12 @@ def test_auto_has_flashinfer_as_a_decode_peer_and_matches_triton(tmp_path):
         llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=backend, page_size=64, num_pages=64)
         if backend == "auto":
             dense = llm.engine.runner.dense
-            # with the CuTe DSL installed (page 64, Hopper) it is the primary and keeps 64-row decode steps;
-            # otherwise triton is, and FlashInfer takes them (auto_backend.DECODE_RULES)
+            # with the CuTe DSL installed (page 64, Hopper) it is the primary and keeps 64-row decode steps
+            # (FlashInfer has no rule against it); otherwise triton is, and FlashInfer takes them
+            # (auto_backend.DECODE_RULES)
             assert dense.primary.name in ("cutedsl_mla", "triton")
-            assert "flashinfer" in [p.name for p in dense.decode_peers]
+            peers = [p.name for p in dense.decode_peers]
+            assert ("flashinfer" in peers) == (dense.primary.name == "triton"), (dense.primary.name, peers)
         runs[backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     compared = 0
     for a, t in zip(runs["auto"], runs["triton"]):
