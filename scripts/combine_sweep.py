@@ -62,9 +62,9 @@ def main() -> int:
         inputs = bench_inputs.make_dense(shape, dev, seed=b + h, rotate_bytes=256 << 20)
         seen = {}
 
-        def recording(total_rows, num_splits, d_v, num_sms):
-            seen["args"] = (total_rows, num_splits, d_v, num_sms)
-            return default_rule(total_rows, num_splits, d_v, num_sms)
+        def recording(total_rows, num_splits, d_v):
+            seen["args"] = (total_rows, num_splits, d_v)
+            return default_rule(total_rows, num_splits, d_v)
 
         md.combine_config = recording
         prep = runners.prepare_ops(backend, shape, inputs)

@@ -128,7 +128,7 @@ def test_combine_reads_more_than_128_splits_in_chunks():
     gen = torch.Generator().manual_seed(130)
     kv, table, seqlens = make_paged([130 * 16, 20], 16, 80, torch.float16, gen)
     q = torch.randn(2, 1, 3, 80, generator=gen).to(torch.float16)
-    assert combine_config(6, 130, 64, 132).split_chunk == 128
+    assert combine_config(6, 130, 64).split_chunk == 128
     check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=130)
 
 

@@ -36,7 +36,6 @@ from mlaserve.kernels.triton.common import fp8_kv_values
 from mlaserve.kernels.triton.mla_decode_plan import (  # noqa: F401  (re-exported: the planning API)
     DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, default_config, full_wave_splits,
     plan_mla_decode, workspace_numel)
-from mlaserve.kernels.triton.mla_decode_plan import _num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -350,7 +349,7 @@ class CombineConfig(NamedTuple):
     num_warps: int
 
 
-def combine_config(total_rows: int, num_splits: int, d_v: int, num_sms: int) -> CombineConfig:
+def combine_config(total_rows: int, num_splits: int, d_v: int) -> CombineConfig:
     """The combine's launch for b * s_q * h rows of `num_splits` partials: every split of a row in one load (up to
     128), 128 columns, and as many rows per program as keep a program's [rows, splits, 128] fp32 tile at 16384
     values (at most 16 rows). All of a program's loads are then in flight at once, where the rule before read 8
@@ -371,7 +370,7 @@ def combine_splits(plan: MLADecodePlan, out: torch.Tensor, lse: torch.Tensor) ->
     b, s_q, h, d_v = out.shape
     po, pl = plan.partial_out, plan.partial_lse
     total_rows = b * s_q * h
-    cfg = combine_config(total_rows, plan.num_splits, d_v, _num_sms(out.device))
+    cfg = combine_config(total_rows, plan.num_splits, d_v)
     _combine_kernel[(triton.cdiv(total_rows, cfg.block_r), triton.cdiv(d_v, cfg.block_c))](
         po, pl, out, lse, plan.num_splits, h, total_rows,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
