@@ -300,8 +300,8 @@ def _combine_kernel(
 ):
     """Grid (cdiv(b * ROWS, BLOCK_R), cdiv(HEAD_DIM_V, BLOCK_C)): for BLOCK_R of the batch's b * ROWS query rows,
     out = sum_s exp(lse_s - lse) * out_s over the splits, lse = log sum_s exp(lse_s). The splits are read
-    SPLIT_CHUNK at a time ([BLOCK_R, SPLIT_CHUNK, BLOCK_C] tiles), so that a single row's 128 splits are
-    16 wide loads, not 128 dependent ones."""
+    SPLIT_CHUNK at a time ([BLOCK_R, SPLIT_CHUNK, BLOCK_C] tiles); combine_config makes that every split of a
+    row (up to 128) in one load, so that the loads are in flight together, not a chain of dependent ones."""
     g = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)      # rows of the whole batch, request-major
     row_ok = g < TOTAL_ROWS
     pid_b = g // ROWS

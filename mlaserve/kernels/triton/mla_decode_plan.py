@@ -19,7 +19,7 @@ class MLADecodeConfig:
     num_warps: int = 8
     num_stages: int = 2          # software pipelining: KV tiles in flight (wgmma: num_stages, mma.sync: - 1)
     min_split_tokens: int = 256  # a KV split streams at least this many tokens (caps the split count)
-    max_splits: int = _MAX_SPLITS  # at most this many KV splits per request (the combine reads them in series)
+    max_splits: int = _MAX_SPLITS  # at most this many KV splits per request (the combine loads up to 128 at once)
     lazy_rescale: bool = False   # rescale the accumulators only when a row's max grows by > 2^8
     gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
                                  # page-64 caches: mla_decode_gluon.py in 64-row blocks (bf16 or FP8 KV),
