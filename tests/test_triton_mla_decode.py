@@ -24,7 +24,8 @@ from mlaserve.attention.torch_backend import TorchBackend, _ragged_mha
 from mlaserve.kernels import fp8_format, reference
 from mlaserve.kernels.triton import mla_decode as _  # noqa: F401  (the package resolves the op lazily)
 from mlaserve.kernels.triton.mla_decode import (MLADecodeConfig, choose_num_splits, combine_config, full_wave_splits,
-                                                mla_decode, plan_mla_decode, workspace_numel)
+                                                default_config, mla_decode, plan_mla_decode, uses_fp8_mma,
+                                                workspace_numel)
 
 POISON_PAGE = 1 << 20
 TOL = {torch.float16: dict(atol=3e-3, rtol=1e-2), torch.float32: dict(atol=2e-5, rtol=1e-4)}
@@ -227,6 +228,22 @@ def test_num_splits_from_shapes_only():
     assert choose_num_splits(1, 1, 16, 2, 64, cpu, cfg) == 1                     # 128 tokens: nothing to split
     assert choose_num_splits(1, 1, 16, 8, 64, cpu, cfg) <= 2                     # 512 tokens: 2 splits at most
     assert choose_num_splits(1, 1, 16, 512, 64, cpu, cfg) == many                # deterministic
+
+
+def test_fp8_mma_takes_long_splits_of_fp8_caches_only():
+    """The FP8-MMA kernel's rule (<= 16 rows, FP8 KV): >= 32 pages a split, from host shapes; never with bf16 KV or
+    where the config leaves it off; a negative threshold is refused."""
+    fp8, bf16 = default_config(16, True), default_config(16, False)
+    assert fp8.fp8_mma_min_pages == 32 and bf16.fp8_mma_min_pages == 0
+    assert uses_fp8_mma(fp8, True, 64, 1)             # b 128 s_k 4096: one split of 64 pages
+    assert uses_fp8_mma(fp8, True, 512, 8)            # b 16 s_k 32768: 8 splits of 64
+    assert not uses_fp8_mma(fp8, True, 512, 32)       # b 4 s_k 32768: 32 splits of 16
+    assert not uses_fp8_mma(fp8, True, 512, 64)       # b 1: 64 splits of 8
+    assert not uses_fp8_mma(fp8, False, 512, 1)       # bf16 KV
+    assert not uses_fp8_mma(bf16, True, 512, 1)       # a config without it
+    assert not uses_fp8_mma(default_config(32, True), True, 512, 1)
+    with pytest.raises(ValueError, match="fp8_mma_min_pages must be >= 0, got -1"):
+        MLADecodeConfig(block_h=16, fp8_mma_min_pages=-1)
 
 
 @pytest.mark.parametrize("programs, units, min_units, want, max_splits", [

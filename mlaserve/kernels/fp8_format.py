@@ -6,10 +6,14 @@ One cached token is 656 bytes:
     bytes 512 .. 527   4 float32 scales, one per tile (value = fp8 * scale)
     bytes 528 .. 655   k_pe, 64 values in bfloat16, unquantized
 
-Every kernel that reads FP8 KV dequantizes exactly this layout; the torch
-functions here are its definition. The value of a cached entry is the bfloat16 nearest
-fp8 * scale: kernels dequantize into bf16 registers for the tensor cores, and the
-reference computes on the same bf16 values, so the two differ only in summation order.
+Every kernel that reads FP8 KV reads exactly this layout; the torch functions here
+are its definition. An entry is fp8 * scale (DESIGN.md). `dequantize` gives the
+bfloat16 nearest it, which is what the dequantizing kernels put in front of the
+tensor cores and what the reference computes on; the FP8-MMA decode
+(kernels/triton/mla_decode_gluon_fp8mma.py) feeds the e4m3 bytes to FP8 MMAs and
+applies the scales in fp32, i.e. uses fp8 * scale exactly. The two readings differ
+by at most 2^-9 of an entry (bf16's rounding), which moves a score by at most
+2^-9 * softmax_scale * sum |q_i| |c_kv_i|: the GPU tests allow that in lse.
 (Power-of-two scales would make fp8 * scale exact in bf16, but they round a tile's
 largest value, and c_kv's outliers cost a tiny model 8x in log-prob error.)
 """

@@ -35,7 +35,7 @@ from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton.common import fp8_kv_values
 from mlaserve.kernels.triton.mla_decode_plan import (  # noqa: F401  (re-exported: the planning API)
     DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, default_config, full_wave_splits,
-    plan_mla_decode, workspace_numel)
+    plan_mla_decode, uses_fp8_mma, workspace_numel)
 
 _LOG2E = 1.4426950408889634
 
@@ -417,6 +417,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         if mla_decode_gluon.supports(q, kv_cache, head_dim_v):
             mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,
                                               causal, plan, out, lse, stages=cfg.num_stages)
+            return out, lse
+    if cfg.gluon and cfg.block_h == 16 and uses_fp8_mma(cfg, kv_fp8, block_table.shape[1], plan.num_splits):
+        from mlaserve.kernels.triton import mla_decode_gluon_fp8mma
+        if mla_decode_gluon_fp8mma.supports(q, kv_cache, head_dim_v):
+            mla_decode_gluon_fp8mma.mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens.contiguous(),
+                                                            softmax_scale, causal, plan, out, lse)
             return out, lse
     if cfg.gluon and cfg.block_h in (16, 32):
         from mlaserve.kernels.triton import mla_decode_gluon_narrow

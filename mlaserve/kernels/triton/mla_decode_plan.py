@@ -24,6 +24,9 @@ class MLADecodeConfig:
     gluon: bool = False          # a Gluon kernel (TMA, wgmma, a producer warp) where one runs on Hopper with
                                  # page-64 caches: mla_decode_gluon.py in 64-row blocks (bf16 or FP8 KV),
                                  # mla_decode_gluon_narrow.py for <= 32 rows in 16/32-row blocks; else tl
+    fp8_mma_min_pages: int = 0   # FP8 KV, <= 16 rows, gluon: FP8 tensor-core MMAs on the e4m3 bytes
+                                 # (mla_decode_gluon_fp8mma.py) when each split spans at least this many pages
+                                 # (block_table columns / splits); 0 = never
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -38,6 +41,8 @@ class MLADecodeConfig:
                              f"launches the same grid), got {self}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.min_split_tokens < 1:
             raise ValueError(f"bad num_warps/num_stages/min_split_tokens in {self}")
+        if self.fp8_mma_min_pages < 0:
+            raise ValueError(f"fp8_mma_min_pages must be >= 0, got {self.fp8_mma_min_pages}")
         if not 1 <= self.max_splits <= _MAX_SPLITS:
             raise ValueError(f"max_splits must be in [1, {_MAX_SPLITS}], got {self.max_splits}")
 
@@ -52,7 +57,11 @@ class MLADecodeConfig:
 #   tl kernel's 87-96% of copy bandwidth with bf16 KV (scripts/gluon_narrow_check.py), FP8 KV (a third
 #   warpgroup dequantizing into two bf16 tiles) 1.02-1.10x its bf16; the tl config below is its fallback off
 #   Hopper. With bf16 KV at most 64 splits: b 1 h 16 s_k 32768 ran 30.8 us with 64
-#   against 34.0 with 128 (scripts/split_sweep.py); b 4/16 and FP8 KV keep their one-wave counts;
+#   against 34.0 with 128 (scripts/split_sweep.py); b 4/16 and FP8 KV keep their one-wave counts. FP8 KV where
+#   a split spans >= 32 pages: the FP8-MMA kernel (mla_decode_gluon_fp8mma.py, no dequantize), 1.06-1.10x the
+#   dequantizing warpgroup at b 128 s_k 4k-32k and b 16 s_k 32k (1.10-1.17x bf16); at 8-16 pages a split
+#   (b 1, b 4 at s_k 32768) its fixed cost loses (0.81x / 0.99x), so they keep the dequantizing warpgroup
+#   (scripts/fp8mma_check.py, bench/NOTES.md item 48);
 # - from 33 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.24-1.64x the tl kernel
 #   at h 64/128 (scripts/gluon_check.py);
 # - from 33 rows, FP8 KV: the 64-row Gluon kernel too, each page dequantized into one bf16 tile before S
@@ -65,12 +74,20 @@ DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (64, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
-    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
+    (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True,
+                                 fp8_mma_min_pages=32),
     (32, "fp8"): MLADecodeConfig(block_h=32, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (256, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
 }
+
+
+def uses_fp8_mma(config: MLADecodeConfig, kv_fp8: bool, max_pages: int, num_splits: int) -> bool:
+    """Whether a <= 16-row Gluon decode over an FP8 cache takes the FP8-MMA kernel: each split spans at least
+    config.fp8_mma_min_pages pages (max_pages = the block table's columns; host shapes only, no sync)."""
+    return (kv_fp8 and config.fp8_mma_min_pages > 0
+            and max_pages >= config.fp8_mma_min_pages * num_splits)
 
 
 def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:

@@ -1,0 +1,74 @@
+"""Compile a Gluon decode kernel for sm_90a on the CPU (no GPU needed) and print its SASS op counts, registers and
+shared memory: a kernel change is checked for what ptxas made of it before device time is spent.
+
+    python scripts/gluon_sass.py fp8mma [--causal 0|1] [--split 0|1] [--out DIR]
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _fp8_descs():
+    flat = torch.zeros(64 * 4, 656, dtype=torch.uint8)
+    ckv = TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [64, 128],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    sc = TensorDescriptor.from_tensor(flat.view(torch.float32), [64, 4],
+                                      gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    kpe = TensorDescriptor.from_tensor(flat.view(torch.bfloat16), [64, 64],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    return [mangle_type(d) for d in (ckv, sc, kpe)]
+
+
+def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mma"):
+    import importlib
+    m = importlib.import_module(module)
+    d = _fp8_descs()
+    sig = {"ckv_desc": d[0], "sc_desc": d[1], "kpe_desc": d[2], "q_ptr": "*bf16", "bt_ptr": "*i32",
+           "seqlens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
+           "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32", "stride_qb": "i32",
+           "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
+           "IS_SPLIT": "constexpr"}
+    return m._mla_decode_fp8mma_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kernel", choices=["fp8mma"])
+    ap.add_argument("--causal", type=int, default=1)
+    ap.add_argument("--split", type=int, default=0)
+    ap.add_argument("--out", default="/tmp/gluon_sass")
+    ap.add_argument("--module", default="mlaserve.kernels.triton.mla_decode_gluon_fp8mma", help="fp8mma's module")
+    a = ap.parse_args()
+    fn, sig, consts = {"fp8mma": fp8mma}[a.kernel](a.causal, a.split, a.module)
+    k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    os.makedirs(a.out, exist_ok=True)
+    open(f"{a.out}/k.cubin", "wb").write(k.asm["cubin"])
+    open(f"{a.out}/k.ptx", "w").write(k.asm["ptx"])
+    open(f"{a.out}/k.ttgir", "w").write(k.asm["ttgir"])
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    sass = subprocess.run([f"{bindir}/cuobjdump", "-sass", f"{a.out}/k.cubin"], capture_output=True, text=True).stdout
+    open(f"{a.out}/k.sass", "w").write(sass)
+    ops = Counter(o.split(".")[0] for o in
+                  re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M))
+    print("SASS:", " ".join(f"{o}:{n}" for o, n in ops.most_common(40)))
+    print("shared:", k.metadata.shared, "bytes")
+    print(subprocess.run([f"{bindir}/cuobjdump", "-res-usage", f"{a.out}/k.cubin"], capture_output=True,
+                         text=True).stdout.strip().splitlines()[-1].strip())
+
+
+if __name__ == "__main__":
+    main()
