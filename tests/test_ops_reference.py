@@ -185,6 +185,21 @@ def test_fp8_round_trip_within_e4m3_bound():
     torch.testing.assert_close(back[:, 512:], kv[:, 512:].bfloat16().float(), rtol=0, atol=0)
 
 
+def test_fp8_exact_reading_is_e4m3_times_scale():
+    """dequantize(exact=True) is e4m3 * scale with no rounding (what the FP8-MMA kernel computes on), and rounding
+    it to bf16 gives the format's default reading."""
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(32, 576, generator=gen) * torch.logspace(-2, 2, 32)[:, None]
+    packed = ops.quantize_kv_fp8(kv)
+    exact = fp8_format.dequantize(packed, torch.float64, exact=True)
+    e4m3 = packed[:, :512].contiguous().view(torch.float8_e4m3fn).double().view(32, 4, 128)
+    scale = packed[:, 512:528].contiguous().view(torch.float32).double()
+    assert torch.equal(exact[:, :512], (e4m3 * scale[..., None]).view(32, 512))
+    assert torch.equal(exact[:, 512:], packed[:, 528:].contiguous().view(torch.bfloat16).double())
+    assert torch.equal(exact.bfloat16(), fp8_format.dequantize(packed))
+    assert not torch.equal(exact, fp8_format.dequantize(packed, torch.float64))    # the readings do differ
+
+
 def test_fp8_scales_are_bf16_values_at_most_2_pow_7():
     """Kernels multiply e4m3 values by scale * 2^120 in bf16 (kernels/triton/common.py): every scale must be
     a bf16 value below 2^8; tiles past 448 * 2^7 saturate instead of overflowing."""
