@@ -19,19 +19,21 @@ page chain (bench/NOTES.md items 37-43). Here:
   to O in fp32 (FP8 wgmma accumulates with fewer bits than fp32).
 - Two compute warpgroups take alternate pages of the split, each with its own softmax state and O, merged through
   shared memory at the end; a producer warp TMA-loads the pages into a 3-stage ring (c_kv in four [64, 128]
-  boxes, the scales, k_pe), and a stage is free as soon as S^T is done and V^T is in registers.
+  boxes, the scales, k_pe), and a stage is free as soon as S^T is done and V^T is in registers. A scale warp
+  takes each landed page's per-group maximum scale off the compute warpgroups' chain (its own barrier per stage).
+  hi + lo of P_g are formed in fp16 (11 bits hold both parts' 4).
 
 Values: these MMAs compute on e4m3 * scale exactly (DESIGN.md: value = fp8 * scale), with Q and P carried to
 ~2^-8 (about bf16's own rounding of P); the dequantizing kernels round each entry to bf16 first (fp8_format).
 Rows past the request's end: their V bytes are zeroed in registers (0xFF is NaN in e4m3, and 0 * NaN is NaN)
 and their scales taken as 0; their scores are masked.
 
-Measured (H200, scripts/fp8mma_check.py, bench/NOTES.md item 48), h 16: b 128 s_k 4k/8k/32k 128/241-256/946-1006
-us = 1.07-1.14x the dequantizing warpgroup's FP8 and 1.08-1.17x the bf16 kernel, b 16 s_k 32768 1.07x / 1.17x; it
-loses where a split is short (b 1 at s_k 32768, 8 pages a split: 0.81x). Still a page chain of ~1270 instructions
-per warpgroup, latency-bound: cut-down copies ran 38 us faster without the V^T transposes, 52 without building
-P^T, 12 without the scales' page maximum (b 128 s_k 8192, 241 us). A third compute warpgroup (160 registers,
-spilling) and a fourth ring stage were slower."""
+Measured (H200, scripts/fp8mma_check.py, bench/NOTES.md items 48-49), h 16: b 128 s_k 4k/8k/32k 115/230/905 us =
+1.12-1.15x the dequantizing warpgroup's FP8 and 1.16-1.22x the bf16 kernel, b 16 s_k 32768 1.10x / 1.20x; it loses
+where a split is short (b 1 at s_k 32768, 8 pages a split: 0.80x). Still a page chain of ~1240 instructions per
+compute warpgroup, latency-bound: cut-down copies (before the scale warp) ran 38 us faster without the V^T
+transposes, 52 without building P^T, 12 without the scales' page maximum (b 128 s_k 8192, 241 us). A third compute
+warpgroup (160 registers, spilling) and a fourth ring stage were slower."""
 
 import torch
 from triton.experimental import gluon
@@ -76,9 +78,9 @@ def _v_fragments(kv, g: gl.constexpr, n_valid, LD: gl.constexpr, AL: gl.constexp
 @gluon.jit
 def _hi_lo(p, f):
     """P_g = p * f (per key) as e4m3 hi + lo, stacked on N: [64 keys, 32] (hi rows 0-15, lo 16-31)."""
-    pg = p * f[:, None]
+    pg = (p * f[:, None]).to(gl.float16)          # 11 bits hold hi's 4 and lo's 4
     hi = pg.to(gl.float8e4nv)
-    lo = (pg - hi.to(gl.float32)).to(gl.float8e4nv)
+    lo = (pg - hi.to(gl.float16)).to(gl.float8e4nv)
     return gl.reshape(gl.permute(gl.join(hi, lo), [0, 2, 1]), [PAGE, 2 * BLOCK_R])
 
 
@@ -117,17 +119,36 @@ def _columns(x):
 
 
 @gluon.jit
-def _page_scales(sc_stage, n_valid, KEY: gl.constexpr, SC2: gl.constexpr, SCW: gl.constexpr):
-    """The page's scales (0 past the request's end): per group g, the per-key scales in KEY and their page
-    maximum."""
+def _page_scales(sc_stage, gm, n_valid, KEY: gl.constexpr, SC2: gl.constexpr, G4: gl.constexpr):
+    """The page's scales (0 past the request's end): per group g, the per-key scales in KEY, and their page
+    maxima from the scale warp (gm, [4])."""
     keys = gl.arange(0, PAGE, gl.SliceLayout(1, SC2))
     x = gl.where((keys < n_valid)[:, None], sc_stage.load(SC2), 0.0)
     s0, s1, s2, s3 = _columns(x)
-    keys_w = gl.arange(0, PAGE, gl.SliceLayout(1, SCW))
-    y = gl.where((keys_w < n_valid)[:, None], sc_stage.load(SCW), 0.0)
-    w0, w1, w2, w3 = _columns(y)
+    g = gm.load(G4)
+    i = gl.arange(0, 4, G4)
     return (gl.convert_layout(s0, KEY), gl.convert_layout(s1, KEY), gl.convert_layout(s2, KEY),
-            gl.convert_layout(s3, KEY), gl.max(w0, 0), gl.max(w1, 0), gl.max(w2, 0), gl.max(w3, 0))
+            gl.convert_layout(s3, KEY), gl.sum(gl.where(i == 0, g, 0.0), 0), gl.sum(gl.where(i == 1, g, 0.0), 0),
+            gl.sum(gl.where(i == 2, g, 0.0), 0), gl.sum(gl.where(i == 3, g, 0.0), 0))
+
+
+@gluon.jit
+def _scale_partition(sc_smem, gm_smem, ready, gready, seqlens_ptr, num_splits, H, S_Q, CAUSAL: gl.constexpr):
+    """The scale warp: each page's per-group maximum scale (keys past the request's end left out) into gm_smem,
+    once the page has landed; its own barrier tells the compute warpgroups."""
+    SCL: gl.constexpr = gl.BlockedLayout([2, 4], [32, 1], [1, 1], [1, 0])
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    rows = gl.arange(0, BLOCK_R, gl.SliceLayout(0, SCL))
+    seqlen, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL)
+    keys = gl.arange(0, PAGE, gl.SliceLayout(1, SCL))
+    for t in range(n_tiles):
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        x = gl.where((keys < seqlen - (start + t * PAGE))[:, None], sc_smem.index(s).load(SCL), 0.0)
+        gm_smem.index(s).store(gl.max(x, 0))
+        gl.thread_barrier()
+        mbarrier.arrive(gready.index(s))
 
 
 @gluon.jit
@@ -145,9 +166,9 @@ def _pv_pair(v0, v1, pt, g: gl.constexpr, zero):
 
 
 @gluon.jit
-def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, xo_smem, xm_smem, ready,
-              empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-              stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, W: gl.constexpr):
+def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem, xm_smem,
+              ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H,
+              S_Q, ROWS, stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, W: gl.constexpr):
     """Compute warpgroup W: pages W, W + 2, ... of the split; warpgroup 1 hands its state to warpgroup 0, which
     merges and stores."""
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32])
@@ -165,9 +186,7 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, 
     SC2: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[PAGE, 4])
-    SCW: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [32, 0]], lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
-        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[PAGE, 4])
+    G4: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
     b = gl.program_id(0)
     split = gl.program_id(1)
     rows = gl.arange(0, BLOCK_R, ROW)
@@ -197,7 +216,8 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, 
         a2 = _group_scores(kv, q8_smem, z, 2, zero_s)
         a3 = _group_scores(kv, q8_smem, z, 3, zero_s)
         pe = warpgroup_mma(kpe_smem.index(s), qpe_smem.permute((1, 0)), zero_pe, use_acc=False, is_async=True)
-        s0, s1, s2, s3, g0, g1, g2, g3 = _page_scales(sc_smem.index(s), n_valid, KEY, SC2, SCW)
+        mbarrier.wait(gready.index(s), (t // STAGES) & 1)
+        s0, s1, s2, s3, g0, g1, g2, g3 = _page_scales(sc_smem.index(s), gm_smem.index(s), n_valid, KEY, SC2, G4)
         a0, a1, a2, a3, pe = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3, pe])
         sco = ((_hi_plus_lo(a0, L) * s0[:, None] + _hi_plus_lo(a1, L) * s1[:, None] + _hi_plus_lo(a2, L) * s2[:, None]
                 + _hi_plus_lo(a3, L) * s3[:, None]) * q_scale[None, :]
@@ -265,12 +285,12 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, 
 
 
 @gluon.jit
-def _second_consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, xo_smem, xm_smem,
-                     ready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q,
-                     ROWS, stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr):
+def _second_consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem,
+                     xm_smem, ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale,
+                     num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr):
     """The worker partition's entry: _consumer as warpgroup 1."""
-    _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, xo_smem, xm_smem, ready,
-              empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+    _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem, xm_smem, ready,
+              gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
               stride_pob, stride_pos, CAUSAL, IS_SPLIT, 1)
 
 
@@ -336,24 +356,28 @@ def _mla_decode_fp8mma_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    gready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    gm_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 4], FLAT1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(gready.index(i), count=1)
     mbarrier.init(done, count=1)
     fence_async_shared()
     gl.thread_barrier()
 
     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
     gl.warp_specialize(
-        [(_consumer, (q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, xo_smem, xm_smem,
-                      ready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H,
-                      S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, 0)),
-         (_second_consumer, (q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, kpe_smem, pt_smem, xo_smem,
-                             xm_smem, ready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale,
-                             num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT)),
+        [(_consumer, (q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem, xm_smem,
+                      ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits,
+                      H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, 0)),
+         (_second_consumer, (q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem,
+                             xm_smem, ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
+                             qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT)),
          (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty, ready,
-                            empty, start // PAGE, n_tiles, STAGES, True, False, 2))],
-        [4, 1], [240, 24])
+                            empty, start // PAGE, n_tiles, STAGES, True, False, 2)),
+         (_scale_partition, (sc_smem, gm_smem, ready, gready, seqlens_ptr, num_splits, H, S_Q, CAUSAL))],
+        [4, 1, 1], [240, 24, 48])
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
