@@ -58,10 +58,10 @@ class MLADecodeConfig:
 #   warpgroup dequantizing into two bf16 tiles) 1.02-1.10x its bf16; the tl config below is its fallback off
 #   Hopper. With bf16 KV at most 64 splits: b 1 h 16 s_k 32768 ran 30.8 us with 64
 #   against 34.0 with 128 (scripts/split_sweep.py); b 4/16 and FP8 KV keep their one-wave counts. FP8 KV where
-#   a split spans >= 32 pages: the FP8-MMA kernel (mla_decode_gluon_fp8mma.py, no dequantize), 1.06-1.10x the
-#   dequantizing warpgroup at b 128 s_k 4k-32k and b 16 s_k 32k (1.10-1.17x bf16); at 8-16 pages a split
-#   (b 1, b 4 at s_k 32768) its fixed cost loses (0.81x / 0.99x), so they keep the dequantizing warpgroup
-#   (scripts/fp8mma_check.py, bench/NOTES.md item 48);
+#   a split spans >= 32 pages: the FP8-MMA kernel (mla_decode_gluon_fp8mma.py, no dequantize), 1.10-1.15x the
+#   dequantizing warpgroup at b 128 s_k 4k-32k and b 16 s_k 32k (1.23-1.30x bf16 in the benchmark); at 8-16
+#   pages a split (b 1, b 4 at s_k 32768) its fixed cost loses (0.80x / 1.00x), so they keep the dequantizing
+#   warpgroup (scripts/fp8mma_check.py, bench/NOTES.md items 48-49);
 # - from 33 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.24-1.64x the tl kernel
 #   at h 64/128 (scripts/gluon_check.py);
 # - from 33 rows, FP8 KV: the 64-row Gluon kernel too, each page dequantized into one bf16 tile before S
