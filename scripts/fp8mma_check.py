@@ -15,15 +15,15 @@ CUDA graph over input copies spanning 256 MB.
 import importlib
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import triton
 
-from cutedsl_check import SCALE, make_fp8_case
+from cutedsl_check import make_fp8_case
 import gluon_check
-from gluon_check import check_shapes
+from gluon_check import check_shapes, timing_sets
 import gluon_narrow_check as narrow
-from mlaserve import ops
 from mlaserve.kernels import fp8_format
 
 KERNELS = {m.rsplit(".", 1)[-1]: importlib.import_module(m) for m in os.environ.get(
@@ -41,13 +41,10 @@ def exact_values(packed):
 
 
 def run(q, kv, table, seqlens, causal=True, num_splits=None, fm=None):
-    b, s_q, h, _ = q.shape
-    plan = narrow.tk.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, True, q.device, num_splits=num_splits,
-                                     config=narrow.CONFIGS[16])
-    out = torch.empty(b, s_q, h, 512, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=q.device)
-    (fm or next(iter(KERNELS.values()))).mla_decode_gluon_fp8mma(q, kv, table, seqlens, SCALE, causal, plan, out, lse)
-    return out, lse
+    """gluon_narrow_check.run's call (16-row plan, out, lse) into the FP8-MMA kernel of module fm."""
+    fm = fm or next(iter(KERNELS.values()))
+    return narrow.run(q, kv, table, seqlens, causal, num_splits,
+                      gk=SimpleNamespace(mla_decode_gluon_narrow=fm.mla_decode_gluon_fp8mma))
 
 
 def check() -> int:
@@ -75,14 +72,8 @@ def timings() -> None:
         want = os.environ["FP8MMA_SHAPES"].split(",")
         shapes = [sh for sh in shapes if "b{} s_q{} h{} s_k{}".format(*sh) in want]
     for b, s_q, h, s_k in shapes:
-        pages = b * s_k // 64
-        n = max(1, min(8, -(-copy_bytes // (pages * 64 * 576 * 2))))
-        sets = []
-        for _ in range(n):
-            kv16 = torch.randn(pages, 64, 576, device="cuda", dtype=torch.bfloat16)
-            sets.append((torch.randn(b, s_q, h, 576, device="cuda", dtype=torch.bfloat16), kv16,
-                         ops.quantize_kv_fp8(kv16), torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1),
-                         torch.full((b,), s_k, device="cuda", dtype=torch.int32)))
+        sets = timing_sets(b, s_q, h, s_k, True, copy_bytes)
+        n = len(sets)
         res = {}
         for name in (*KERNELS, "narrow-fp8", "narrow-bf16"):
             def step():

@@ -67,6 +67,20 @@ def check() -> int:
     return failed + check_shapes(cases, make_fp8_case, run, lambda kv: fp8_format.dequantize(kv).double())
 
 
+def timing_sets(b, s_q, h, s_k, fp8, copy_bytes=256 << 20):
+    """Input copies spanning `copy_bytes` of bf16 cache (at most 8), so that graph replays read HBM, not L2:
+    [(q, bf16 cache, its FP8 packing or None, block table of shuffled pages, lengths s_k)]."""
+    pages = b * s_k // 64
+    sets = []
+    for _ in range(max(1, min(8, -(-copy_bytes // (pages * 64 * 576 * 2))))):
+        kv16 = torch.randn(pages, 64, 576, device="cuda", dtype=torch.bfloat16)
+        sets.append((torch.randn(b, s_q, h, 576, device="cuda", dtype=torch.bfloat16), kv16,
+                     ops.quantize_kv_fp8(kv16) if fp8 else None,
+                     torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, s_k // 64),
+                     torch.full((b,), s_k, device="cuda", dtype=torch.int32)))
+    return sets
+
+
 def timings() -> None:
     copy_bytes = 256 << 20
     shapes = [(128, 1, 128, s_k) for s_k in (4096, 32768)] + [(128, 2, 128, 8192)]
@@ -75,15 +89,8 @@ def timings() -> None:
     if os.environ.get("GLUON_SHAPES"):   # e.g. "b128 s_q1 h64 s_k8192,b4 s_q1 h128 s_k32768"
         shapes = [sh for sh in shapes if "b{} s_q{} h{} s_k{}".format(*sh) in os.environ["GLUON_SHAPES"].split(",")]
     for b, s_q, h, s_k in shapes:
-        pages = b * s_k // 64
-        n = max(1, min(8, -(-copy_bytes // (pages * 64 * 576 * 2))))
-        sets = []
-        for _ in range(n):
-            kv16 = torch.randn(pages, 64, 576, device="cuda", dtype=torch.bfloat16)
-            sets.append((torch.randn(b, s_q, h, 576, device="cuda", dtype=torch.bfloat16), kv16,
-                         ops.quantize_kv_fp8(kv16) if FP8_TIMINGS else None,
-                         torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, s_k // 64),
-                         torch.full((b,), s_k, device="cuda", dtype=torch.int32)))
+        sets = timing_sets(b, s_q, h, s_k, FP8_TIMINGS, copy_bytes)
+        n = len(sets)
         # do_bench_cudagraph runs on a stream of its own, which does not wait for the default stream's work: the
         # inputs must be complete first (without this, a kernel read a block table and lengths still being
         # written and faulted at b128 h64 s_k 8192 once the FP8 copies made the set-up long)

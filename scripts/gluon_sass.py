@@ -1,7 +1,8 @@
 """Compile a Gluon decode kernel for sm_90a on the CPU (no GPU needed) and print its SASS op counts, registers and
 shared memory: a kernel change is checked for what ptxas made of it before device time is spent.
 
-    python scripts/gluon_sass.py fp8mma [--causal 0|1] [--split 0|1] [--out DIR]
+    python scripts/gluon_sass.py fp8mma [--causal 0|1] [--split 0|1] [--out DIR] [--module VARIANT]
+    python scripts/gluon_sass.py narrow [--fp8 0|1] [--rows 16|32] ...      # mla_decode_gluon_narrow.py
 """
 
 import argparse
@@ -45,15 +46,39 @@ def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mm
     return m._mla_decode_fp8mma_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split}
 
 
+def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narrow", fp8=1, rows=16, dq=1):
+    import importlib
+    m = importlib.import_module(module)
+    d = _fp8_descs()
+    if not fp8:
+        flat = torch.zeros(64 * 4, 576, dtype=torch.bfloat16)
+        d = [mangle_type(TensorDescriptor.from_tensor(flat, [64, 64], gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2)))] * 3
+    sig = {"ckv_desc": d[0], "sc_desc": d[1], "kpe_desc": d[2], "q_ptr": "*bf16", "bt_ptr": "*i32",
+           "seqlens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
+           "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32", "stride_qb": "i32",
+           "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
+           "IS_SPLIT": "constexpr", "STAGES": "constexpr", "KV_FP8": "constexpr", "BLOCK_R": "constexpr",
+           "DQ_WG": "constexpr"}
+    dq = dq and fp8 and rows <= 16
+    return m._mla_decode_narrow_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "STAGES": 2 if dq else 3 if fp8 and
+                                              rows <= 16 else 2, "KV_FP8": fp8, "BLOCK_R": rows, "DQ_WG": dq}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["fp8mma"])
+    ap.add_argument("kernel", choices=["fp8mma", "narrow"])
     ap.add_argument("--causal", type=int, default=1)
     ap.add_argument("--split", type=int, default=0)
     ap.add_argument("--out", default="/tmp/gluon_sass")
-    ap.add_argument("--module", default="mlaserve.kernels.triton.mla_decode_gluon_fp8mma", help="fp8mma's module")
+    ap.add_argument("--module", default=None, help="the kernel's module (a variant of it)")
+    ap.add_argument("--fp8", type=int, default=1, help="narrow: FP8 KV (else bf16)")
+    ap.add_argument("--rows", type=int, default=16, help="narrow: BLOCK_R, 16 or 32")
     a = ap.parse_args()
-    fn, sig, consts = {"fp8mma": fp8mma}[a.kernel](a.causal, a.split, a.module)
+    if a.kernel == "fp8mma":
+        fn, sig, consts = fp8mma(a.causal, a.split, *([a.module] if a.module else []))
+    else:
+        fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows)
     k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     os.makedirs(a.out, exist_ok=True)
     open(f"{a.out}/k.cubin", "wb").write(k.asm["cubin"])

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility
-from mlaserve.kernels.triton.mla_decode_gluon_narrow import _load_partition
+from mlaserve.kernels.triton.mla_decode_gluon_narrow import _load_partition, softmax_keys_on_m, store_columns
 
 PAGE = gl.constexpr(64)
 D_V = gl.constexpr(512)
@@ -228,16 +228,7 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, 
         v3 = _v_fragments(kv, 3, n_valid, LD, AL)
         gl.thread_barrier()
         mbarrier.arrive(empty.index(s))           # S^T done and V^T in registers: the stage is free
-        # -- online softmax along the keys (M) --
-        if tok0 + PAGE > min_vis:
-            keys = tok0 + gl.arange(0, PAGE, KEY)
-            sco = gl.where(keys[:, None] < vis[None, :], sco, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sco, 0))
-        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_base)
-        p = gl.exp2(sco - m_base[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = softmax_keys_on_m(sco, m_i, l_acc, tok0, min_vis, vis, KEY)
         # -- P_g = P * scale_g / max scale_g * 256 as e4m3 hi + lo; O_g += (V^T_g P_g^T) * max scale_g / 256 --
         _store_p(p, s0, s1, s2, s3, g0, g1, g2, g3, pt_smem.index(W))
         fence_async_shared()
@@ -301,14 +292,7 @@ def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_pt
     partials); logical m = 64 mt + 16 w + 8 h + r is column 32 w + 4 r + 2 mt + h."""
     m = gl.arange(0, GROUP, gl.SliceLayout(1, O_LAYOUT))
     cols = g * GROUP + 32 * ((m // 16) % 4) + 4 * (m % 8) + 2 * (m // 64) + (m // 8) % 2
-    o = o * inv_l[None, :]
-    mask = (cols < D_V)[:, None] & row_ok[None, :]
-    if IS_SPLIT:
-        base = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos
-        gl.store(base + rows[None, :] * D_V + cols[:, None], o, mask=mask)
-    else:
-        base = out_ptr + b.to(gl.int64) * ROWS * D_V
-        gl.store(base + rows[None, :] * D_V + cols[:, None], o.to(gl.bfloat16), mask=mask)
+    store_columns(o, cols, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr, stride_pob, stride_pos, IS_SPLIT)
 
 
 @gluon.jit

@@ -202,16 +202,7 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
         else:
             sco = other + acc
         sco = sco * qk_scale
-        # -- online softmax along the keys (M) --
-        if tok0 + PAGE > min_vis:
-            keys = tok0 + gl.arange(0, PAGE, KEY_S)
-            sco = gl.where(keys[:, None] < vis[None, :], sco, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sco, 0))
-        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_base)
-        p = gl.exp2(sco - m_base[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = softmax_keys_on_m(sco, m_i, l_acc, tok0, min_vis, vis, KEY_S)
         pt.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
@@ -239,6 +230,21 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
 
 
 @gluon.jit
+def softmax_keys_on_m(sco, m_i, l_acc, tok0, min_vis, vis, KEY: gl.constexpr):
+    """One page of the online softmax along the keys (S^T's M, log2 units): scores of keys a row does not see
+    (vis per row) masked where the page reaches past min_vis -> (P^T, the rows' rescale, new max, row sums kept
+    per element)."""
+    if tok0 + PAGE > min_vis:
+        keys = tok0 + gl.arange(0, PAGE, KEY)
+        sco = gl.where(keys[:, None] < vis[None, :], sco, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sco, 0))
+    m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_base)
+    p = gl.exp2(sco - m_base[None, :])
+    return p, alpha, m_new, l_acc * alpha[None, :] + p
+
+
+@gluon.jit
 def _second_consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                      seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
                      stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
@@ -253,7 +259,14 @@ def _second_consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_sme
 def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr, stride_pob, stride_pos,
                  IS_SPLIT: gl.constexpr, O_LAYOUT: gl.constexpr):
     """O^T_g [128, 16] normalized into out [.., row, 128 g + c] (or the fp32 split partials)."""
-    cols = g * GROUP + gl.arange(0, GROUP, gl.SliceLayout(1, O_LAYOUT))
+    store_columns(o, g * GROUP + gl.arange(0, GROUP, gl.SliceLayout(1, O_LAYOUT)), inv_l, rows, row_ok, b, split,
+                  ROWS, out_ptr, po_ptr, stride_pob, stride_pos, IS_SPLIT)
+
+
+@gluon.jit
+def store_columns(o, cols, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr, stride_pob, stride_pos,
+                  IS_SPLIT: gl.constexpr):
+    """O^T [columns, rows] normalized (inv_l per row) into out [.., row, cols] bf16, or the fp32 split partials."""
     o = o * inv_l[None, :]
     mask = (cols < D_V)[:, None] & row_ok[None, :]
     if IS_SPLIT:
