@@ -43,7 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility
-from mlaserve.kernels.triton.mla_decode_gluon_narrow import _load_partition, softmax_keys_on_m, store_columns
+from mlaserve.kernels.triton.mla_decode_gluon_narrow import (_load_partition, fp8_descriptors, softmax_keys_on_m,
+                                                              store_columns)
 
 PAGE = gl.constexpr(64)
 D_V = gl.constexpr(512)
@@ -377,19 +378,11 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
 def mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
     (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16-row programs."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from mlaserve.kernels.triton.mla_decode import combine_splits
     assert fp8_format.PACKED_BYTES == ROW_BYTES.value
     b, s_q, h, _ = q.shape
-    rows, page = s_q * h, PAGE.value
-    flat = kv_cache.view(-1, ROW_BYTES.value)
-    ckv_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    sc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    kpe_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ckv_desc = TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [page, GROUP.value], ckv_layout)
-    sc_desc = TensorDescriptor.from_tensor(flat.view(torch.float32), [page, 4], sc_layout)
-    kpe_desc = TensorDescriptor.from_tensor(flat.view(torch.bfloat16), [page, D_PE.value], kpe_layout)
+    rows = s_q * h
+    ckv_desc, sc_desc, kpe_desc = fp8_descriptors(kv_cache)
     qc = q.contiguous()
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)

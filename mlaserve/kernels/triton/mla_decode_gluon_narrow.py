@@ -384,6 +384,19 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
             and head_dim_v == D_V.value)
 
 
+def fp8_descriptors(kv_cache: torch.Tensor):
+    """TMA descriptors over an FP8 cache's [pages * 64, 656] bytes: e4m3 c_kv in [64, 128] boxes (128-byte
+    swizzle), the fp32 scales [64, 4], bf16 k_pe [64, 64]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    flat, page = kv_cache.view(-1, ROW_BYTES.value), PAGE.value
+    ckv_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    sc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    kpe_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return (TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [page, GROUP.value], ckv_layout),
+            TensorDescriptor.from_tensor(flat.view(torch.float32), [page, 4], sc_layout),
+            TensorDescriptor.from_tensor(flat.view(torch.bfloat16), [page, D_PE.value], kpe_layout))
+
+
 def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
                             stages: int | None = None, dequant_warpgroup: bool | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
@@ -403,13 +416,7 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
         raise ValueError(f"dequant_warpgroup takes FP8 caches and <= 16 query rows, got {kv_cache.dtype} and "
                          f"{rows} rows")
     if kv_fp8:
-        flat = kv_cache.view(-1, ROW_BYTES.value)
-        ckv_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        sc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        kpe_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        ckv_desc = TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [page, GROUP.value], ckv_layout)
-        sc_desc = TensorDescriptor.from_tensor(flat.view(torch.float32), [page, 4], sc_layout)
-        kpe_desc = TensorDescriptor.from_tensor(flat.view(torch.bfloat16), [page, D_PE.value], kpe_layout)
+        ckv_desc, sc_desc, kpe_desc = fp8_descriptors(kv_cache)
     else:
         layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         ckv_desc = sc_desc = kpe_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, D_V.value + D_PE.value),
