@@ -230,6 +230,20 @@ def test_num_splits_from_shapes_only():
     assert choose_num_splits(1, 1, 16, 512, 64, cpu, cfg) == many                # deterministic
 
 
+def test_fp8_descriptors_view_the_three_parts_of_a_row():
+    """The Gluon FP8 kernels' TMA descriptors (built on the CPU here; no launch): one cache row of 656 bytes seen
+    as 656 e4m3 (c_kv boxes [64, 128] at columns 0-511), 164 fp32 (scales [64, 4] at column 128 = byte 512) and
+    328 bf16 (k_pe [64, 64] at column 264 = byte 528), all over the same bytes."""
+    from mlaserve.kernels.triton.mla_decode_gluon_narrow import fp8_descriptors
+    kv = torch.zeros(3, 64, fp8_format.PACKED_BYTES, dtype=torch.uint8)
+    ckv, sc, kpe = fp8_descriptors(kv)
+    for d, dtype, cols, box in ((ckv, torch.float8_e4m3fn, 656, [64, 128]), (sc, torch.float32, 164, [64, 4]),
+                                (kpe, torch.bfloat16, 328, [64, 64])):
+        assert d.base.dtype == dtype and tuple(d.shape) == (192, cols) and list(d.block_shape) == box
+        assert d.base.data_ptr() == kv.data_ptr() and tuple(d.strides) == (cols, 1)
+    assert fp8_format.SCALE_OFFSET // 4 == 128 and fp8_format.ROPE_OFFSET // 2 == 264
+
+
 def test_fp8_mma_takes_long_splits_of_fp8_caches_only():
     """The FP8-MMA kernel's rule (<= 16 rows, FP8 KV): >= 32 pages a split, from host shapes; never with bf16 KV or
     where the config leaves it off; a negative threshold is refused."""
