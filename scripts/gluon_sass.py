@@ -61,8 +61,9 @@ def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narro
            "IS_SPLIT": "constexpr", "STAGES": "constexpr", "KV_FP8": "constexpr", "BLOCK_R": "constexpr",
            "DQ_WG": "constexpr"}
     dq = dq and fp8 and rows <= 16
-    return m._mla_decode_narrow_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "STAGES": 2 if dq else 3 if fp8 and
-                                              rows <= 16 else 2, "KV_FP8": fp8, "BLOCK_R": rows, "DQ_WG": dq}
+    return m._mla_decode_narrow_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split,
+                                              "STAGES": m.ring_stages(fp8, rows, dq), "KV_FP8": fp8, "BLOCK_R": rows,
+                                              "DQ_WG": dq}
 
 
 def main():

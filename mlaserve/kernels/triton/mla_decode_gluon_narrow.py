@@ -384,6 +384,12 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
             and head_dim_v == D_V.value)
 
 
+def ring_stages(kv_fp8: bool, rows: int, dq: bool, stages: int | None = None) -> int:
+    """The ring's depth: 2 bf16 tiles with the dequantizing warpgroup; else `stages`, or 3 raw FP8 stages at <= 16
+    rows (beside the one tile) and 2 otherwise."""
+    return 2 if dq else stages or (3 if kv_fp8 and rows <= 16 else 2)
+
+
 def fp8_descriptors(kv_cache: torch.Tensor):
     """TMA descriptors over an FP8 cache's [pages * 64, 656] bytes: e4m3 c_kv in [64, 128] boxes (128-byte
     swizzle), the fp32 scales [64, 4], bf16 k_pe [64, 64]."""
@@ -428,7 +434,7 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
         softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows, qc.stride(0), block_table.stride(0),
         po.stride(0), po.stride(1),
-        CAUSAL=causal, IS_SPLIT=split, STAGES=2 if dq else stages or (3 if kv_fp8 and rows <= 16 else 2),
+        CAUSAL=causal, IS_SPLIT=split, STAGES=ring_stages(kv_fp8, rows, dq, stages),
         KV_FP8=kv_fp8, BLOCK_R=16 if rows <= 16 else 32, DQ_WG=dq, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
