@@ -76,6 +76,11 @@ def cases(quick: bool):
     yield dict(lens=[4096, 1, 700, 2], s_q=1, h=128, dtype=torch.bfloat16, causal=True, num_splits=7)
     yield dict(lens=[3000, 17, 64, 2000], s_q=1, h=32, dtype=torch.bfloat16, causal=True, num_splits=4)
     yield dict(lens=[0, 1, 2], s_q=2, h=16, dtype=torch.bfloat16, causal=True, num_splits=3)
+    # more work items than clusters fit the SMs: persistent launches (an empty request among them)
+    yield dict(lens=[(389 * i) % 1500 for i in range(140)], s_q=1, h=16, dtype=torch.bfloat16, causal=True,
+               num_splits=1)
+    yield dict(lens=[1 + (389 * i) % 1500 for i in range(70)], s_q=1, h=128, dtype=torch.bfloat16, causal=True,
+               num_splits=1)
 
 
 def check(quick: bool) -> int:

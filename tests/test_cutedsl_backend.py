@@ -202,3 +202,15 @@ def test_combine_merges_split_partials_into_the_reference(monkeypatch):
     ref_out, ref_lse = reference.mla_decode(q, kv, bt, seqlens, scale)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("b, rows, kv_fp8, split, cluster, want", [
+    (9, 16, False, False, 1, 8),      # 9 items > 8 SMs (the CPU stand-in): one CTA per SM
+    (8, 16, False, False, 1, 0),      # one wave: an ordinary grid
+    (5, 128, False, False, 2, 4),     # 5 pairs of row tiles > 4 pairs of SMs
+    (4, 128, False, False, 2, 0),
+    (9, 16, False, True, 1, 0),       # split steps fill one wave by construction
+    (9, 16, True, False, 1, 0),       # FP8 KV: the FP8 kernels have no persistent form
+])
+def test_persistent_launch_only_where_items_outnumber_the_sms(b, rows, kv_fp8, split, cluster, want):
+    assert cd.persistent_clusters(b, rows, kv_fp8, split, cluster, CPU) == want

@@ -53,7 +53,32 @@ def test_every_cluster_size_matches_reference(monkeypatch, cluster, num_splits):
     assert ok, f"cluster {cluster}, {num_splits} splits: max abs err {max_err:.2e}: {why}"
 
 
-@pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1)])
+@pytest.mark.parametrize("b, s_q, h, cluster, dtype", [
+    (300, 1, 16, None, torch.bfloat16),   # one CTA per item, 300 items on 132 SMs
+    (150, 1, 128, None, torch.bfloat16),  # pairs of row tiles: 2-CTA clusters hand each ticket on
+    (101, 2, 64, None, torch.float16),
+    (40, 2, 128, 4, torch.bfloat16),      # clusters of 4 (forced): the ticket goes to three CTAs
+])
+def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dtype):
+    """Unsplit steps with more work items than clusters fit the SMs run persistent (tickets from a global
+    counter): ragged lengths, empty and one-token requests among them, NaN beyond each request's end; the
+    counters are back at zero after each launch, and a second launch gives the same bits."""
+    if cluster is not None:
+        monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, dtype, seed=b)
+    c = cd.cluster_size(s_q * h, False)
+    assert cd.persistent_clusters(b, s_q * h, False, False, c, q.device) > 0, "the case must run persistent"
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(cd.scheduler_counters(q.device).cpu(), torch.zeros(2, dtype=torch.int32))
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])
 def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, 1, h, torch.bfloat16, seed=b)

@@ -127,6 +127,8 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
         raise ValueError(f"the cutedsl MLA decode has one config {CONFIG}, got {config}")
     if num_splits is None:
         num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, torch.device(device))
+    if torch.device(device).type == "cuda":
+        scheduler_counters(device)
     return _plan_mla_decode(b, s_q, h, head_dim_v, max_pages, page_size, kv_fp8, device,
                             num_splits=num_splits, config=CONFIG, workspace=workspace)
 
@@ -144,16 +146,57 @@ def cluster_size(rows: int, kv_fp8: bool) -> int:
     return 2 if not kv_fp8 and tiles % 2 == 0 else 1
 
 
+PERSISTENT = True
+
+
+def persistent_clusters(b: int, rows: int, kv_fp8: bool, split: bool, cluster: int, device: torch.device) -> int:
+    """Clusters of a persistent launch (0: an ordinary grid). Unsplit 16-bit KV steps with more work items
+    (request, cluster of row tiles) than clusters fit the SMs at once: one cluster per SM (pair), each taking
+    items until none is left, so that an item's Q and first pages load while the one before it finishes.
+    Split steps fill one wave by construction and gain nothing.
+
+    Interleaved A/B against the grid in one process on the H200 (scripts/persistent_ab.py, 13 shapes of 128 rows
+    per request, b 128, s_k 4k-32k, fixed and variable lengths): 2.3% faster in the geometric mean, from 9.6%
+    faster (h 64 s_q 2 s_k 16384) to 3.6% slower (h 128 s_q 2 s_k 16384, variable lengths); bench/NOTES.md 50."""
+    if not PERSISTENT or kv_fp8 or split:
+        return 0
+    items = b * triton.cdiv(rows, TILE_M) // cluster
+    fit = _num_sms(device) // cluster
+    return fit if items > fit else 0
+
+
+# the persistent kernel's work-item counters (next ticket, clusters done), int32 [2] per device, zero between
+# launches (the last cluster of a launch resets them). Decode steps on one device must not run concurrently on
+# two streams: their launches would share the counters.
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def scheduler_counters(device: torch.device) -> torch.Tensor:
+    """The device's counters, allocated (zeroed) on first use; plan_mla_decode asks for them on the host, so that
+    a launch captured in a CUDA graph finds them allocated."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = _counters.get(device)
+    if t is None:
+        t = _counters[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return t
+
+
 def fp8_narrow_cols(rows: int) -> int:
     """The FP8 kernel with the keys on wgmma's M side (mla_decode_fp8_narrow_kernel.py) takes requests of
     at most 32 query rows, padded to 16 or 32 (wgmma N); 0: the 64-row kernel (mla_decode_fp8_kernel.py)."""
     return 16 if rows <= 16 else 32 if rows <= 32 else 0
 
 
-def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0):
+def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
+            persistent: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
-    16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one."""
+    16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
+    unsplit): one CTA per SM taking work items until none is left."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
+    if persistent:
+        key += ("persistent",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -172,22 +215,24 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                               *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
-            fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster),
-                              *_pointers(dtype, (None,) * 8), *scalars)
+            fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
+                                                 persistent=persistent),
+                              *_pointers(dtype, (None,) * 8, persistent), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
 
 
-def _pointers(dtype: torch.dtype, addresses) -> list:
+def _pointers(dtype: torch.dtype, addresses, persistent: bool = False) -> list:
     """Global-memory pointers for the kernel's 8 tensor arguments (q, kv, block_table, seqlens, out, lse,
     partial out, partial lse) from their addresses (None: a stand-in for compiling). q, kv and out are
     16-byte aligned (TMA needs it; mla_decode checks q and kv), partial out 8-byte (the epilogue stores
-    fp32 pairs; mla_decode checks it), the rest 4-byte."""
+    fp32 pairs; mla_decode checks it), the rest 4-byte. Persistent launches pass the scheduler's int32
+    counters in partial out's place."""
     cutlass = importlib.import_module("cutlass")
     elem = cute_dtype(dtype)
     kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16),
-             (cutlass.Float32, 4), (cutlass.Float32, 8), (cutlass.Float32, 4))
+             (cutlass.Float32, 4), (cutlass.Int32, 4) if persistent else (cutlass.Float32, 8), (cutlass.Float32, 4))
     return gmem_pointers(kinds, addresses)
 
 
@@ -224,18 +269,23 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     if b == 0:
         return out, lse
     split = plan.num_splits > 1
+    kv_fp8 = kv_cache.dtype == torch.uint8
+    cluster = cluster_size(s_q * h, kv_fp8)
     po, pl = (plan.partial_out, plan.partial_lse) if split else (lse, lse)  # unused pointers when not split
+    grid_y = plan.num_splits
+    clusters = persistent_clusters(b, s_q * h, kv_fp8, split, cluster, q.device)
+    if clusters:
+        po, grid_y = scheduler_counters(q.device), clusters
     if po.data_ptr() % 8:
         raise ValueError(f"the plan's partial_out must start on an 8-byte boundary, got address {po.data_ptr():#x}")
     cutlass = importlib.import_module("cutlass")
     cuda = importlib.import_module("cuda.bindings.driver")
-    kv_fp8 = kv_cache.dtype == torch.uint8
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
-    fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster_size(s_q * h, kv_fp8),
-                 fp8_narrow_cols(s_q * h) if kv_fp8 else 0)
-    fn(*(_fp8_pointers(addresses) if kv_fp8 else _pointers(q.dtype, addresses)),
+    fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, fp8_narrow_cols(s_q * h) if kv_fp8 else 0,
+                 bool(clusters))
+    fn(*(_fp8_pointers(addresses) if kv_fp8 else _pointers(q.dtype, addresses, bool(clusters))),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
-       cutlass.Int32(block_table.shape[1]), cutlass.Int32(plan.num_splits), cutlass.Float32(softmax_scale * _LOG2E),
+       cutlass.Int32(block_table.shape[1]), cutlass.Int32(grid_y), cutlass.Float32(softmax_scale * _LOG2E),
        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
     if split:
         from mlaserve.kernels.triton.mla_decode import combine_splits

@@ -37,6 +37,17 @@ Warp roles (384 threads, three warpgroups):
   Row sums: each consumer keeps the sums of its own tiles' P, scaled like its O half; at the end both
   are at the final max and are added through smem.
 
+Persistent launches (mla_decode.persistent_clusters: unsplit steps with more work items than clusters fit
+the SMs): one CTA, or cluster, per SM, each taking work items (a request's row tiles that share page loads)
+until none is left, instead of a grid of one CTA per item. The first item of cluster c is item c; then CTA
+0's producer draws tickets from a global counter (the last cluster to finish zeroes it again) and hands
+each to the cluster's other CTAs over a one-slot smem channel; every producer hands its items to its
+consumers through a 2-slot item pipe. The KV ring, the seesaw's ownership (tile g + t of an item whose CTA
+ran g tiles before) and the barriers run on across items; Q is released after the item's last S, so the
+next item's Q and first pages load while this one's last P V and epilogue run (in a grid, each SM waits for
+a CTA to exit before the next one starts loading). b128 h128 s_k 4096/8192 on the H200: 2.9%/5.7% faster
+(bench/NOTES.md item 47); level where items are many per SM already (s_q 2 h128) or short.
+
 The rows of a CTA are `m_block * 64 + r` of the request's s_q * h query rows (row = token j * h + head).
 Keys each row may see: causal, new token j sees 0 .. seqlen - s_q + j. Only tiles that reach past the
 smallest visible length are masked, and the cache rows past the request's end in its last page are
@@ -61,6 +72,7 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
+ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
 
 
 def page_split(seqlen: Int32, split: Int32, num_splits: Int32):
@@ -90,11 +102,16 @@ class MLADecodeSm90:
     """Compiled per (dtype, causal, split, cluster). Launched by mla_decode.py through `__call__` (a cute.jit
     host function)."""
 
-    def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1):
+    def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
         self.cluster = cluster        # 1, 2 or 4 CTAs (row tiles of one request and split) share each page's load
+        # one CTA (cluster) per SM that takes work items (request, row tiles) from a global ticket counter until
+        # none is left, so that an item's Q and first pages load while the one before finishes (unsplit only)
+        self.persistent = persistent
+        if persistent and is_split:
+            raise ValueError("persistent launches are for unsplit decode steps")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -113,9 +130,12 @@ class MLADecodeSm90:
         rows_dv = cute.assume(rows * D_V, divby=D_V)
         mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows_dv, D_V, 1)))
         mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
-        mPO = cute.make_tensor(po_ptr, cute.make_layout(
-            (batch, num_splits, rows, D_V),
-            stride=(cute.assume(num_splits * rows * D_V, divby=D_V), rows_dv, D_V, 1)))
+        if const_expr(self.persistent):
+            mPO = cute.make_tensor(po_ptr, cute.make_layout(2))       # the scheduler's int32 counters
+        else:
+            mPO = cute.make_tensor(po_ptr, cute.make_layout(
+                (batch, num_splits, rows, D_V),
+                stride=(cute.assume(num_splits * rows * D_V, divby=D_V), rows_dv, D_V, 1)))
         mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
                                                         stride=(num_splits * rows, rows, 1)))
 
@@ -152,12 +172,32 @@ class MLADecodeSm90:
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
 
-        self.shared_storage = SharedStorage
-        grid = (cute.ceil_div(rows, TILE_M), num_splits, batch)
+        @cute.struct
+        class PersistentStorage:
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            item_mbar: cute.struct.MemRange[cutlass.Int64, ITEM_STAGES * 2]
+            chan_mbar: cute.struct.MemRange[cutlass.Int64, 2]     # cluster rank 0 -> r: full (in r), empty (in 0)
+            item_slot: cute.struct.MemRange[Int32, ITEM_STAGES]
+            chan_slot: cute.struct.MemRange[Int32, 2]
+            row_max: cute.struct.MemRange[Float32, TILE_M]
+            row_sum: cute.struct.MemRange[Float32, TILE_M * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        if const_expr(self.persistent):
+            # num_splits carries the number of clusters launched
+            self.shared_storage = PersistentStorage
+            grid = (self.cluster, num_splits, 1)
+        else:
+            self.shared_storage = SharedStorage
+            grid = (cute.ceil_div(rows, TILE_M), num_splits, batch)
         self.kernel(tma_q, mQ_tma, tma_kv, mKV_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
                     s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sP_layout,
                     tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs).launch(
-            grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1], smem=SharedStorage.size_in_bytes(),
+            grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
+            smem=self.shared_storage.size_in_bytes(),
             stream=stream)
 
     @cute.kernel
@@ -167,8 +207,11 @@ class MLADecodeSm90:
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tiled_mma_pv_rs: cute.TiledMma):
+        """Persistent launches: mPO is the scheduler's int32 [2] (next ticket, clusters done), num_splits the
+        number of clusters launched; see MLADecodePersistentSm90."""
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, split, batch = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
+        m_block, split, batch = bx, by, bz
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
@@ -177,6 +220,9 @@ class MLADecodeSm90:
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        item_pipe = None
+        if const_expr(self.persistent):
+            item_pipe = self._init_scheduler(storage, tidx)
         # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp): both
         # consumers read every tile's V. In a cluster, lane r of each warp arrives on CTA r's barrier: a
         # stage is free once every CTA's consumers are done with it, since every CTA's load writes into all.
@@ -196,17 +242,14 @@ class MLADecodeSm90:
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
         sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2)))
-
-        seqlen = mSeqlens[batch]
-        start, n_tiles = page_split(seqlen, split, num_splits)
+        if const_expr(not self.persistent):
+            seqlen = mSeqlens[batch]
+            start, n_tiles = page_split(seqlen, split, num_splits)
 
         if wg == 0:
             # ---------------- producer ----------------
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                gQ = cute.local_tile(mQ_tma[None, None, batch], (TILE_M, D_QK), (m_block, 0))
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                 cute.group_modes(gQ, 0, 2))
                 rank = 0
                 sKV_load = sKV
                 if const_expr(self.cluster > 1):
@@ -217,21 +260,16 @@ class MLADecodeSm90:
                 tKVs, tKVg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sKV_load, 0, 2),
                                                    cute.group_modes(gKV, 0, 2))
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                q_pipe.producer_acquire(q_state)
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, NUM_STAGES)
-                first_page = start // TILE_N
-                for t in cutlass.range(n_tiles, unroll=1):
-                    page = mBT[batch, first_page + t]
-                    kv_pipe.producer_acquire(kv_state)
-                    if const_expr(self.cluster == 1):
-                        cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
-                                  tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
-                    else:
-                        cute.copy(tma_kv, tKVg[None, self.cluster * page + rank], tKVs[None, kv_state.index],
-                                  tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
-                                  mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
-                    kv_state.advance()
+                # the helpers hand kv_state back: the tracer carries loop state through names rebound in this
+                # body, not through the attributes a helper's loop changed (producer_tail needs the final state)
+                if const_expr(not self.persistent):
+                    kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
+                                                  kv_state, batch, m_block, start, n_tiles, rank)
+                else:
+                    kv_state = self._produce_items(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, mSeqlens, mPO, q_pipe,
+                                                   kv_pipe, item_pipe, q_state, kv_state, storage, rows, rank, by,
+                                                   num_splits)
                 if const_expr(self.cluster > 1):
                     # the other CTAs' consumers arrive on this CTA's barriers: wait for their last arrivals
                     # before exiting (an arrival on the smem of an exited CTA is undefined)
@@ -241,112 +279,280 @@ class MLADecodeSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             cw = wg - 1                  # owns tiles t % 2 == cw (ring stage cw) and columns 256cw.. of O
             ctid = tidx % 128
-            (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = seesaw_operands(
-                tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, ctid, cw, sQ, sKV, sP)
-
-            # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
-            # the row), shared with the three other lanes of its quad.
-            r0 = (ctid // 32) * 16 + (ctid % 32) // 4
-            vis = cute.make_rmem_tensor(2, Int32)      # keys visible to each of the thread's rows
-            row_m = cute.make_rmem_tensor(2, Float32)  # the max (log2 units) O_w and row_l are scaled to
-            row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the sums of its own tiles' P
-            for hr in cutlass.range_constexpr(2):
-                vis[hr] = visible_keys(seqlen, s_q, h, m_block * TILE_M + r0 + 8 * hr, self.causal)
-                row_m[hr] = -Float32.inf
-                row_l[hr] = 0.0
-            min_vis = first_masked_key(seqlen, s_q, self.causal)
-
+            ops = seesaw_operands(tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, ctid, cw, sQ, sKV, sP)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            q_pipe.consumer_wait(q_state)
-            for t in cutlass.range(cw, n_tiles, 2, unroll=1):
-                tok0 = start + t * TILE_N
-                own = tile_state(t)
-                if t > 0:
-                    # -- a, b: the other consumer's tile t - 1 into this half of O --
-                    if const_expr(self.cluster > 1):
-                        # issued, not waited for: S below is queued right behind it
-                        other_tile_pv_issue(cw, tile_state(t - 1), kv_pipe.consumer_wait, sMax, r0, row_m, row_l,
-                                            acc_o, tiled_mma_pv, tOrPs, tOrV)
-                    else:
-                        other_tile_pv(cw, tile_state(t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
-                                      r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
-                # -- c: S = Q K_t^T --
-                kv_pipe.consumer_wait(own)
-                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+            if const_expr(not self.persistent):
+                self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sKV,
+                                   sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen, start, n_tiles, 0, batch,
+                                   split, m_block, s_q, h, rows, scale_log2)
+            else:
+                item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ITEM_STAGES)
+                pairs = cute.ceil_div(rows, TILE_M) // self.cluster
+                rank = 0
                 if const_expr(self.cluster > 1):
-                    # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
-                    warpgroup.wait_group(1)
-                    if t > 0:
-                        kv_pipe.consumer_release(tile_state(t - 1))
-                warpgroup.wait_group(0)
-                # -- d: mask, running max, P --
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[i] = acc_s[i] * scale_log2
-                if tok0 + TILE_N > min_vis:
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        if tok0 + tScS[i][1] >= vis[(i // 2) % 2]:
-                            acc_s[i] = -Float32.inf
-                mx = cute.make_rmem_tensor(2, Float32)
-                mx[0] = row_m[0]
-                mx[1] = row_m[1]
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
-                alpha, m_base = quad_row_max(mx, row_m, row_l)
-                exp_p(acc_s, m_base, row_l, rP)
-                # -- e: publish P(t), m(t) --
-                cute.autovec_copy(rP, tPsP)
-                if ctid % 4 == 0:
-                    sMax[r0] = row_m[0]
-                    sMax[r0 + 8] = row_m[1]
-                if tok0 + TILE_N > seqlen:
-                    # cache rows past the request's end: zero all 512 V columns of this tile (NaN * 0 is NaN)
-                    for k in cutlass.range(seqlen - tok0, TILE_N, unroll=1):
-                        for c in cutlass.range_constexpr(D_V // 128):
-                            sKV[k, c * 128 + ctid, own.index] = sKV.element_type(0.0)
-                # generic-proxy smem writes (P, zeroed V) become visible to wgmma's async proxy
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
-                if tok0 + TILE_N > seqlen:
-                    # this consumer's own P V below reads V rows its other threads zeroed
-                    cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
-                # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-                scale_rows(acc_o, alpha)
-                issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
-                warpgroup.wait_group(0)
-                kv_pipe.consumer_release(own)
+                    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                n_items = cute.size(mSeqlens) * pairs
+                item, item_state = self._next_item(item_pipe, item_state, storage)
+                g = Int32(0)             # tiles of this CTA's earlier items (the ring's and the seesaw's count)
+                while item < n_items:
+                    batch_i = item // pairs
+                    m_block_i = (item % pairs) * self.cluster + rank
+                    seqlen_i = mSeqlens[batch_i]
+                    n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
+                    ops[8].fill(0.0)     # acc_o
+                    self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
+                                       sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, 0, n_tiles_i, g,
+                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2)
+                    q_state.advance()
+                    g = g + n_tiles_i
+                    item, item_state = self._next_item(item_pipe, item_state, storage)
 
-            # the last tile is the other consumer's: its P into this half of O
-            if n_tiles > 0 and (n_tiles - 1) % 2 != cw:
-                other_tile_pv(cw, tile_state(n_tiles - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
-                              row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
+    @cute.jit
+    def _produce_item(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, tKVs: cute.Tensor,
+                      tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, q_pipe, kv_pipe, q_state, kv_state,
+                      batch: Int32, m_block: Int32, start: Int32, n_tiles: Int32, rank: Int32):
+        """The producer's loads for one (request, row tile, split): Q once, then its pages into the ring."""
+        gQ = cute.local_tile(mQ_tma[None, None, batch], (TILE_M, D_QK), (m_block, 0))
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))
+        q_pipe.producer_acquire(q_state)
+        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+        first_page = start // TILE_N
+        for t in cutlass.range(n_tiles, unroll=1):
+            page = mBT[batch, first_page + t]
+            kv_pipe.producer_acquire(kv_state)
+            if const_expr(self.cluster == 1):
+                cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
+                          tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+            else:
+                cute.copy(tma_kv, tKVg[None, self.cluster * page + rank], tKVs[None, kv_state.index],
+                          tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
+                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
+            kv_state.advance()
+        return kv_state
 
-            # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
-            inv_l = cute.make_rmem_tensor(2, Float32)
-            lse = cute.make_rmem_tensor(2, Float32)
-            finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse, barrier_id=BAR_SUM)
-            scale_rows(acc_o, inv_l)
-            # this consumer's [64, 256] block of the output; a thread's values come in pairs of adjacent
-            # columns, which autovec_copy stores as one 4-byte (bf16) / 8-byte (fp32 partial) access
-            if const_expr(self.is_split):
-                gO = cute.local_tile(mPO[batch, split, None, None], (TILE_M, HALF_V), (m_block, cw))
-                rO = acc_o
+    @cute.jit
+    def _consume_item(self, kv_pipe, q_pipe, q_state, ops, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                      tiled_mma_pv_rs: cute.TiledMma, sKV: cute.Tensor, sMax: cute.Tensor, sSum: cute.Tensor,
+                      mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, cw: Int32, ctid: Int32,
+                      seqlen: Int32, start: Int32, n_tiles: Int32, g, batch: Int32, split: Int32, m_block: Int32,
+                      s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32):
+        """One consumer's part of one (request, row tile, split): its tiles of the seesaw, then its half of the
+        output. `g` counts the tiles this CTA ran before (persistent launches; 0 otherwise): ring stage and owner
+        of the item's tile t are those of tile g + t."""
+        (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
+        # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
+        # the row), shared with the three other lanes of its quad.
+        r0 = (ctid // 32) * 16 + (ctid % 32) // 4
+        vis = cute.make_rmem_tensor(2, Int32)      # keys visible to each of the thread's rows
+        row_m = cute.make_rmem_tensor(2, Float32)  # the max (log2 units) O_w and row_l are scaled to
+        row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the sums of its own tiles' P
+        for hr in cutlass.range_constexpr(2):
+            vis[hr] = visible_keys(seqlen, s_q, h, m_block * TILE_M + r0 + 8 * hr, self.causal)
+            row_m[hr] = -Float32.inf
+            row_l[hr] = 0.0
+        min_vis = first_masked_key(seqlen, s_q, self.causal)
+
+        q_pipe.consumer_wait(q_state)
+        first = cw
+        if const_expr(self.persistent):
+            first = (cw + g) % 2
+        for t in cutlass.range(first, n_tiles, 2, unroll=1):
+            tok0 = start + t * TILE_N
+            own = tile_state(g + t)
+            if t > 0:
+                # -- a, b: the other consumer's tile t - 1 into this half of O --
+                if const_expr(self.cluster > 1):
+                    # issued, not waited for: S below is queued right behind it
+                    other_tile_pv_issue(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, sMax, r0, row_m, row_l,
+                                        acc_o, tiled_mma_pv, tOrPs, tOrV)
+                else:
+                    other_tile_pv(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
+                                  r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
+            # -- c: S = Q K_t^T --
+            kv_pipe.consumer_wait(own)
+            issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+            if const_expr(self.cluster > 1):
+                # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
+                warpgroup.wait_group(1)
+                if t > 0:
+                    kv_pipe.consumer_release(tile_state(g + t - 1))
+            warpgroup.wait_group(0)
+            # -- d: mask, running max, P --
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * scale_log2
+            if tok0 + TILE_N > min_vis:
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    if tok0 + tScS[i][1] >= vis[(i // 2) % 2]:
+                        acc_s[i] = -Float32.inf
+            mx = cute.make_rmem_tensor(2, Float32)
+            mx[0] = row_m[0]
+            mx[1] = row_m[1]
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
+            alpha, m_base = quad_row_max(mx, row_m, row_l)
+            exp_p(acc_s, m_base, row_l, rP)
+            # -- e: publish P(t), m(t) --
+            cute.autovec_copy(rP, tPsP)
+            if ctid % 4 == 0:
+                sMax[r0] = row_m[0]
+                sMax[r0 + 8] = row_m[1]
+            if tok0 + TILE_N > seqlen:
+                # cache rows past the request's end: zero all 512 V columns of this tile (NaN * 0 is NaN)
+                for k in cutlass.range(seqlen - tok0, TILE_N, unroll=1):
+                    for c in cutlass.range_constexpr(D_V // 128):
+                        sKV[k, c * 128 + ctid, own.index] = sKV.element_type(0.0)
+            # generic-proxy smem writes (P, zeroed V) become visible to wgmma's async proxy
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
+            if tok0 + TILE_N > seqlen:
+                # this consumer's own P V below reads V rows its other threads zeroed
+                cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
+            # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
+            scale_rows(acc_o, alpha)
+            issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
+            warpgroup.wait_group(0)
+            kv_pipe.consumer_release(own)
+
+        # the last tile is the other consumer's: its P into this half of O
+        if n_tiles > 0 and (g + n_tiles - 1) % 2 != cw:
+            other_tile_pv(cw, tile_state(g + n_tiles - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
+                          row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
+        if const_expr(self.persistent):
+            # every S of this item is done: the producer may load the next item's Q (during this epilogue)
+            q_pipe.consumer_release(q_state)
+
+        # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
+        inv_l = cute.make_rmem_tensor(2, Float32)
+        lse = cute.make_rmem_tensor(2, Float32)
+        finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse, barrier_id=BAR_SUM)
+        if const_expr(self.persistent):
+            # both consumers have read sSum before either writes the next item's
+            cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=CONSUMER_THREADS)
+        scale_rows(acc_o, inv_l)
+        # this consumer's [64, 256] block of the output; a thread's values come in pairs of adjacent
+        # columns, which autovec_copy stores as one 4-byte (bf16) / 8-byte (fp32 partial) access
+        if const_expr(self.is_split):
+            gO = cute.local_tile(mPO[batch, split, None, None], (TILE_M, HALF_V), (m_block, cw))
+            rO = acc_o
+        else:
+            gO = cute.local_tile(mOut[batch, None, None], (TILE_M, HALF_V), (m_block, cw))
+            rO = cute.make_fragment_like(acc_o, self.dtype)
+            rO.store(acc_o.load().to(self.dtype))
+        tOgO = tiled_mma_pv.get_slice(ctid).partition_C(gO)
+        if m_block * TILE_M + TILE_M <= rows:
+            cute.autovec_copy(rO, tOgO)
+        else:
+            # the last row block of a request whose s_q * h is not a multiple of 64: row by row
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                if m_block * TILE_M + tOcO[i][0] < rows:
+                    tOgO[i] = rO[i]
+        if cw == 0 and ctid % 4 == 0:
+            for hr in cutlass.range_constexpr(2):
+                r = m_block * TILE_M + r0 + 8 * hr
+                if r < rows:
+                    if const_expr(self.is_split):
+                        mPL[batch, split, r] = lse[hr]
+                    else:
+                        mLse[batch, r] = lse[hr]
+
+    # -- persistent launches: the work-item scheduler --
+
+    @cute.jit
+    def _init_scheduler(self, storage, tidx: Int32):
+        """The item pipe (producer warp -> both consumers, ITEM_STAGES slots) and, in clusters, the mbarriers of
+        the channel by which CTA 0 hands each ticket to CTA 1. Their init is fenced and synced by the KV pipe's
+        creation, which follows."""
+        item_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.item_mbar.data_ptr(), num_stages=ITEM_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS), defer_sync=True)
+        if const_expr(self.cluster > 1):
+            if tidx == 0:
+                cute.arch.mbarrier_init(storage.chan_mbar.data_ptr(), 1)
+                cute.arch.mbarrier_init(storage.chan_mbar.data_ptr() + 1, self.cluster - 1)
+        return item_pipe
+
+    @cute.jit
+    def _produce_items(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, tKVs: cute.Tensor,
+                       tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, mSeqlens: cute.Tensor,
+                       mSched: cute.Tensor, q_pipe, kv_pipe, item_pipe, q_state, kv_state, storage, rows: Int32,
+                       rank: Int32, cid: Int32, n_clusters: Int32):
+        """The producer warp of a persistent launch: item `cid` first, then tickets from mSched[0] (offset by the
+        clusters launched) until one is past the last item; each item is handed to the consumers, then its Q and
+        pages are loaded. Items are (request, pair of row tiles), request-major; CTA r of a cluster takes row
+        tile pair * cluster + r. The last cluster to finish resets the counters for the next launch."""
+        pairs = cute.ceil_div(rows, TILE_M) // self.cluster
+        n_items = cute.size(mSeqlens) * pairs
+        item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ITEM_STAGES)
+        chan_phase = Int32(0)
+        item = cid
+        while item < n_items:
+            item_state = self._publish_item(item_pipe, item_state, storage, item)
+            batch = item // pairs
+            m_block = (item % pairs) * self.cluster + rank
+            n_tiles = (mSeqlens[batch] + TILE_N - 1) // TILE_N
+            kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
+                                          kv_state, batch, m_block, 0, n_tiles, rank)
+            q_state.advance()
+            item = self._fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase)
+            chan_phase = chan_phase ^ 1
+        item_state = self._publish_item(item_pipe, item_state, storage, item)   # past the last: the consumers stop
+        if rank == 0:
+            if cute.arch.lane_idx() == 0:
+                done = cute.arch.atomic_add(mSched.iterator + 1, Int32(1))
+                if done == n_clusters - 1:
+                    # every cluster has drawn its last ticket: nobody touches the counters again in this launch
+                    mSched[0] = Int32(0)
+                    mSched[1] = Int32(0)
+        return kv_state
+
+    @cute.jit
+    def _publish_item(self, item_pipe, item_state, storage, item: Int32):
+        item_pipe.producer_acquire(item_state)
+        storage.item_slot.get_tensor(cute.make_layout(ITEM_STAGES))[item_state.index] = item
+        item_pipe.producer_commit(item_state)
+        item_state.advance()
+        return item_state
+
+    @cute.jit
+    def _next_item(self, item_pipe, item_state, storage):
+        """A consumer thread's next work item from the producer (one past the last: stop)."""
+        item_pipe.consumer_wait(item_state)
+        item = storage.item_slot.get_tensor(cute.make_layout(ITEM_STAGES))[item_state.index]
+        item_pipe.consumer_release(item_state)
+        item_state.advance()
+        return item, item_state
+
+    @cute.jit
+    def _fetch_ticket(self, mSched: cute.Tensor, storage, rank: Int32, n_clusters: Int32, n_items: Int32,
+                      chan_phase: Int32) -> Int32:
+        """The next item of this cluster: CTA 0's lane 0 draws a ticket (atomic add on mSched[0]; the first
+        n_clusters items went out by cluster index) and, in a cluster, hands it to the other CTAs over a one-slot
+        channel in each one's smem (st.async completing the slot's mbarrier there; each frees its slot by
+        arriving on CTA 0's empty mbarrier, which counts cluster - 1 arrivals; not after the last ticket, which
+        CTA 0 does not wait for and may have exited by then)."""
+        lane = cute.arch.lane_idx()
+        ticket = Int32(0)
+        if rank == 0:
+            if lane == 0:
+                ticket = cute.arch.atomic_add(mSched.iterator, Int32(1)) + n_clusters
+            ticket = cute.arch.shuffle_sync(ticket, 0)
+        if const_expr(self.cluster > 1):
+            full = storage.chan_mbar.data_ptr()
+            empty = storage.chan_mbar.data_ptr() + 1
+            slot = storage.chan_slot.data_ptr()
+            if rank == 0:
+                cute.arch.mbarrier_wait(empty, chan_phase ^ 1)
+                if lane == 0:
+                    for peer in cutlass.range_constexpr(1, self.cluster):
+                        cute.arch.store_async_dsmem(slot, ticket, full, peer)
             else:
-                gO = cute.local_tile(mOut[batch, None, None], (TILE_M, HALF_V), (m_block, cw))
-                rO = cute.make_fragment_like(acc_o, self.dtype)
-                rO.store(acc_o.load().to(self.dtype))
-            tOgO = tiled_mma_pv.get_slice(ctid).partition_C(gO)
-            if m_block * TILE_M + TILE_M <= rows:
-                cute.autovec_copy(rO, tOgO)
-            else:
-                # the last row block of a request whose s_q * h is not a multiple of 64: row by row
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    if m_block * TILE_M + tOcO[i][0] < rows:
-                        tOgO[i] = rO[i]
-            if cw == 0 and ctid % 4 == 0:
-                for hr in cutlass.range_constexpr(2):
-                    r = m_block * TILE_M + r0 + 8 * hr
-                    if r < rows:
-                        if const_expr(self.is_split):
-                            mPL[batch, split, r] = lse[hr]
-                        else:
-                            mLse[batch, r] = lse[hr]
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(full, 4)
+                cute.arch.mbarrier_wait(full, chan_phase)
+                ticket = storage.chan_slot.get_tensor(cute.make_layout(2))[0]
+                cute.arch.sync_warp()
+                if lane == 0 and ticket < n_items:
+                    cute.arch.mbarrier_arrive(empty, 0)
+        return ticket

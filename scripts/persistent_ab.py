@@ -1,0 +1,79 @@
+"""A/B of the CuTe DSL decode's persistent launches (mla_decode.PERSISTENT) against the ordinary grid, interleaved
+in one process and timed as `mlaserve bench kernels` times them (inputs rotating over 256 MB, CUDA-graph replay, L2
+cleared before each call, median), FlashInfer beside them where it is installed.
+
+    python scripts/persistent_ab.py
+    python scripts/persistent_ab.py --shapes "b128 h128 sk4096,b128 h128 sq2 sk4096 var"
+
+Shapes: "bB hH [sqN] [skS] [var]" (s_q 1, s_k 4096, fixed lengths unless given).
+"""
+
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mlaserve.bench import inputs as bench_inputs  # noqa: E402
+from mlaserve.bench import peers, runners  # noqa: E402
+from mlaserve.bench.limits import capture_graphs, time_us  # noqa: E402
+from mlaserve.bench.shapes import DenseShape  # noqa: E402
+
+cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+DEFAULT_SHAPES = ("b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk16384,b128 h128 sq2 sk4096,b128 h128 sq2 sk8192,"
+                  "b128 h128 sq2 sk32768,b128 h64 sq2 sk4096,b128 h64 sq2 sk16384,b128 h128 sk4096 var,"
+                  "b128 h128 sk16384 var,b128 h128 sq2 sk4096 var,b128 h128 sq2 sk8192 var,b128 h128 sq2 sk16384 var")
+
+
+def graphs(prep, persistent: bool):
+    cd.PERSISTENT = persistent          # read at launch, so captured with the graph
+    for call in prep.calls:
+        call()
+    torch.cuda.synchronize()
+    replays = capture_graphs(prep.calls)
+    cd.PERSISTENT = True
+    return replays
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    for spec in args.shapes.split(","):
+        w = spec.split()
+        s_q = next((int(x[2:]) for x in w if x.startswith("sq")), 1)
+        s_k = next((int(x[2:]) for x in w if x.startswith("sk")), 4096)
+        shape = DenseShape(int(w[0][1:]), s_q, s_k, int(w[1][1:]), "bf16", varlen="var" in w)
+        inputs = bench_inputs.make_dense(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
+        prep = runners.prepare_ops("cutedsl", shape, inputs)
+        on, off = graphs(prep, True), graphs(prep, False)
+        outs = [prep.calls[0]()[0] for _ in range(1)]
+        cd.PERSISTENT = False
+        same = torch.equal(outs[0], prep.calls[0]()[0])
+        cd.PERSISTENT = True
+        t = {"on": [], "off": []}
+        for _ in range(2):
+            t["on"].append(time_us(on, dev))
+            t["off"].append(time_us(off, dev))
+        fi = None
+        try:
+            fprep = peers.prepare("flashinfer", shape, inputs)
+            for call in fprep.calls:
+                call()
+            fi = time_us(capture_graphs(fprep.calls), dev)
+        except Exception as e:   # FlashInfer missing or failing: the A/B stands without it
+            print(f"  flashinfer: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        on_us, off_us = min(t["on"]), min(t["off"])
+        print(f"{spec:28s} persistent {on_us:8.1f} us  grid {off_us:8.1f} us  grid/persistent {off_us / on_us:.3f}x"
+              + (f"  flashinfer {fi:8.1f} us  fi/persistent {fi / on_us:.3f}x" if fi else "")
+              + ("" if same else "  OUTPUTS DIFFER"), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
