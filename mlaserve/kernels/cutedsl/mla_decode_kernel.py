@@ -45,8 +45,8 @@ each to the cluster's other CTAs over a one-slot smem channel; every producer ha
 consumers through a 2-slot item pipe. The KV ring, the seesaw's ownership (tile g + t of an item whose CTA
 ran g tiles before) and the barriers run on across items; Q is released after the item's last S, so the
 next item's Q and first pages load while this one's last P V and epilogue run (in a grid, each SM waits for
-a CTA to exit before the next one starts loading). b128 h128 s_k 4096/8192 on the H200: 2.9%/5.7% faster
-(bench/NOTES.md item 47); level where items are many per SM already (s_q 2 h128) or short.
+a CTA to exit before the next one starts loading). Against the grid on the H200 (bench/NOTES.md items 47, 50):
+2.3% faster in the geometric mean of 13 shapes of 128-256 rows a request, from +9.6% to -3.6%.
 
 The rows of a CTA are `m_block * 64 + r` of the request's s_q * h query rows (row = token j * h + head).
 Keys each row may see: causal, new token j sees 0 .. seqlen - s_q + j. Only tiles that reach past the
