@@ -165,6 +165,9 @@ def test_derive_rates_roofline_and_peer_ratios():
     assert tri8["vs"]["flashinfer@bf16"] == pytest.approx(1.6)
     text = report.table(data)
     assert "sglang ERROR" in text and "flashinfer 1600.0 (0.80x)" in text
+    fp8_line = next(line for line in text.splitlines() if " fp8 " in line)
+    assert "2.00x its bf16" in fp8_line          # the FP8 row's speed-up over the same backend's bf16 row
+    assert "its bf16" not in next(line for line in text.splitlines() if " bf16 " in line)
 
 
 def test_merge_keeps_other_rows_and_replaces_same_ids():

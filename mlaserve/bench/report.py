@@ -105,8 +105,9 @@ def _in_brief(row: dict) -> bool:
 
 
 def table(data: dict, brief: bool = False, primary_order: tuple[str, ...] = ()) -> str:
-    """One line per shape and kv dtype: the primary backend's time, TB/s, TFLOP/s and fraction of the roofline,
-    then every other backend's time and (its time / primary's time: > 1 means the primary is faster)."""
+    """One line per shape and kv dtype: the primary backend's time, TB/s, TFLOP/s and fraction of the roofline (on
+    FP8 lines also its speed-up over its own bf16 time for the shape), then every other backend's time and (its
+    time / primary's time: > 1 means the primary is faster)."""
     primary_order = primary_order or backend_order(data)
     groups: dict[tuple, list[dict]] = {}
     for row in data["rows"]:
@@ -131,6 +132,9 @@ def table(data: dict, brief: bool = False, primary_order: tuple[str, ...] = ()) 
         cell = f"{prim['backend']} {prim['time_us']:9.1f}us {prim.get('tbps', 0):5.2f}TB/s {prim.get('tflops', 0):6.1f}TF"
         if "roofline_frac" in prim:
             cell += f" {100 * prim['roofline_frac']:3.0f}%roof"
+        own_bf16 = prim.get("vs", {}).get(f"{prim['backend']}@bf16") if kv == "fp8" else None
+        if own_bf16:
+            cell += f" {own_bf16:.2f}x its bf16"      # the FP8 cache's speed-up over the same backend's bf16 cache
         if prim["status"] != "ok":
             cell += " INVALID"
         extra = prim.get("extra", {})
