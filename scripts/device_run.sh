@@ -27,12 +27,13 @@
 #                     CUTEDSL_SPARSE_ARGS="" times the dense cluster sizes and runs every sparse check)
 #   phase "gluon"     scripts/gluon_check.py and scripts/gluon_narrow_check.py (the Gluon decodes, bf16 and FP8 KV,
 #                     against the reference, timed beside the tl kernel) into gluon.log; T_GLUON 200 each
+#   phase "script"    bash -c "$SCRIPT_CMD" after the tests, before the benchmark, into script.log; T_SCRIPT 150
 #   phase "splits"    scripts/split_sweep.py (small-batch KV split counts, timed as the benchmark) for triton, then for
 #                     cutedsl where the DSL is on the machine, into splits.log; T_SPLITS 120 each
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
 # Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log cutedsl_sparse.log
-#   splits.log gluon.log
+#   splits.log gluon.log script.log
 #   and with tune: tune.log tune_mla_decode.json tune_sparse.json
 # The last thing printed is a short table (phases, then the headline kernel shapes).
 
@@ -182,6 +183,16 @@ if has_phase pytest; then
     tail -n 15 "$OUT/pytest.log" | tee -a "$LOG"
   else
     say "== pytest: no tests/gpu folder"
+  fi
+fi
+
+# -- one more command of the caller's (an A/B script, a sweep) after the tests, before the benchmark --
+if has_phase script; then
+  if [ -n "${SCRIPT_CMD:-}" ]; then
+    run_phase script "$(limit "${T_SCRIPT:-150}")" "$OUT/script.log" bash -c "$SCRIPT_CMD"
+    tail -n 20 "$OUT/script.log" | tee -a "$LOG"
+  else
+    say "== script: SCRIPT_CMD is empty"
   fi
 fi
 

@@ -1,9 +1,11 @@
-"""A/B of the CuTe DSL decode's persistent launches (mla_decode.PERSISTENT) against the ordinary grid, interleaved
-in one process and timed as `mlaserve bench kernels` times them (inputs rotating over 256 MB, CUDA-graph replay, L2
-cleared before each call, median), FlashInfer beside them where it is installed.
+"""A/B of a switch of the CuTe DSL decode, on against off, interleaved in one process and timed as `mlaserve bench
+kernels` times them (inputs rotating over 256 MB, CUDA-graph replay, L2 cleared before each call, median),
+FlashInfer beside them where it is installed. The switches (module flags of mla_decode, read at launch):
+PERSISTENT (persistent launches against the ordinary grid), LONGEST_FIRST (persistent launches taking requests
+longest first against batch order).
 
     python scripts/persistent_ab.py
-    python scripts/persistent_ab.py --shapes "b128 h128 sk4096,b128 h128 sq2 sk4096 var"
+    python scripts/persistent_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
 
 Shapes: "bB hH [sqN] [skS] [var]" (s_q 1, s_k 4096, fixed lengths unless given).
 """
@@ -28,19 +30,20 @@ DEFAULT_SHAPES = ("b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk16384,b128 h128
                   "b128 h128 sk16384 var,b128 h128 sq2 sk4096 var,b128 h128 sq2 sk8192 var,b128 h128 sq2 sk16384 var")
 
 
-def graphs(prep, persistent: bool):
-    cd.PERSISTENT = persistent          # read at launch, so captured with the graph
+def graphs(prep, switch: str, on: bool):
+    setattr(cd, switch, on)             # read at launch, so captured with the graph
     for call in prep.calls:
         call()
     torch.cuda.synchronize()
     replays = capture_graphs(prep.calls)
-    cd.PERSISTENT = True
+    setattr(cd, switch, True)
     return replays
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--switch", default="PERSISTENT", choices=("PERSISTENT", "LONGEST_FIRST"))
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -51,11 +54,11 @@ def main() -> int:
         shape = DenseShape(int(w[0][1:]), s_q, s_k, int(w[1][1:]), "bf16", varlen="var" in w)
         inputs = bench_inputs.make_dense(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
         prep = runners.prepare_ops("cutedsl", shape, inputs)
-        on, off = graphs(prep, True), graphs(prep, False)
-        out_persistent = prep.calls[0]()[0]
-        cd.PERSISTENT = False
-        same = torch.equal(out_persistent, prep.calls[0]()[0])
-        cd.PERSISTENT = True
+        on, off = graphs(prep, args.switch, True), graphs(prep, args.switch, False)
+        out_on = prep.calls[0]()[0]
+        setattr(cd, args.switch, False)
+        same = torch.equal(out_on, prep.calls[0]()[0])
+        setattr(cd, args.switch, True)
         t = {"on": [], "off": []}
         for _ in range(2):
             t["on"].append(time_us(on, dev))
@@ -69,8 +72,8 @@ def main() -> int:
         except Exception as e:   # FlashInfer missing or failing: the A/B stands without it
             print(f"  flashinfer: {type(e).__name__}: {str(e)[:120]}", flush=True)
         on_us, off_us = min(t["on"]), min(t["off"])
-        print(f"{spec:28s} persistent {on_us:8.1f} us  grid {off_us:8.1f} us  grid/persistent {off_us / on_us:.3f}x"
-              + (f"  flashinfer {fi:8.1f} us  fi/persistent {fi / on_us:.3f}x" if fi else "")
+        print(f"{spec:28s} {args.switch} on {on_us:8.1f} us  off {off_us:8.1f} us  off/on {off_us / on_us:.3f}x"
+              + (f"  flashinfer {fi:8.1f} us  fi/on {fi / on_us:.3f}x" if fi else "")
               + ("" if same else "  OUTPUTS DIFFER"), flush=True)
     return 0
 

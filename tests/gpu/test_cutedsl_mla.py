@@ -61,8 +61,9 @@ def test_every_cluster_size_matches_reference(monkeypatch, cluster, num_splits):
 ])
 def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dtype):
     """Unsplit steps with more work items than clusters fit the SMs run persistent (tickets from a global
-    counter): ragged lengths, empty and one-token requests among them, NaN beyond each request's end; the
-    counters are back at zero after each launch, and a second launch gives the same bits."""
+    counter, requests longest first): ragged lengths, empty and one-token requests among them, NaN beyond each
+    request's end; the counters are back at zero after each launch, and a second launch gives the same bits,
+    as does one taking the requests in batch order."""
     if cluster is not None:
         monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
@@ -76,6 +77,10 @@ def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dt
     assert ok, f"max abs err {max_err:.2e}: {why}"
     out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    # requests taken in batch order instead of longest first: each item's result is its own, bit for bit
+    monkeypatch.setattr(cd, "LONGEST_FIRST", False)
+    out3, lse3 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out3) and torch.equal(lse, lse3)
 
 
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])

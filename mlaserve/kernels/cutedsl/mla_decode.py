@@ -30,6 +30,7 @@ from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_po
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
 from mlaserve.kernels.triton.mla_decode_plan import _num_sms, full_wave_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
+from mlaserve.kernels.triton.work_order import longest_first
 
 TILE_M = 64
 PAGE_SIZE = 64
@@ -147,6 +148,8 @@ def cluster_size(rows: int, kv_fp8: bool) -> int:
 
 
 PERSISTENT = True
+# persistent launches take requests longest first (False: in batch order; for A/B runs)
+LONGEST_FIRST = True
 
 
 def persistent_clusters(b: int, rows: int, kv_fp8: bool, split: bool, cluster: int, device: torch.device) -> int:
@@ -228,11 +231,11 @@ def _pointers(dtype: torch.dtype, addresses, persistent: bool = False) -> list:
     partial out, partial lse) from their addresses (None: a stand-in for compiling). q, kv and out are
     16-byte aligned (TMA needs it; mla_decode checks q and kv), partial out 8-byte (the epilogue stores
     fp32 pairs; mla_decode checks it), the rest 4-byte. Persistent launches pass the scheduler's int32
-    counters in partial out's place."""
+    counters in partial out's place and the requests' int32 order in partial lse's."""
     cutlass = importlib.import_module("cutlass")
     elem = cute_dtype(dtype)
-    kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16),
-             (cutlass.Float32, 4), (cutlass.Int32, 4) if persistent else (cutlass.Float32, 8), (cutlass.Float32, 4))
+    tail = ((cutlass.Int32, 4), (cutlass.Int32, 4)) if persistent else ((cutlass.Float32, 8), (cutlass.Float32, 4))
+    kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16), (cutlass.Float32, 4), *tail)
     return gmem_pointers(kinds, addresses)
 
 
@@ -276,6 +279,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     clusters = persistent_clusters(b, s_q * h, kv_fp8, split, cluster, q.device)
     if clusters:
         po, grid_y = scheduler_counters(q.device), clusters
+        pl = (longest_first(cache_seqlens) if LONGEST_FIRST
+              else torch.arange(b, dtype=torch.int32, device=q.device))
     if po.data_ptr() % 8:
         raise ValueError(f"the plan's partial_out must start on an 8-byte boundary, got address {po.data_ptr():#x}")
     cutlass = importlib.import_module("cutlass")

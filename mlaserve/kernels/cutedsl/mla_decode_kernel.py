@@ -46,7 +46,9 @@ consumers through a 2-slot item pipe. The KV ring, the seesaw's ownership (tile 
 ran g tiles before) and the barriers run on across items; Q is released after the item's last S, so the
 next item's Q and first pages load while this one's last P V and epilogue run (in a grid, each SM waits for
 a CTA to exit before the next one starts loading). Against the grid on the H200 (bench/NOTES.md items 47, 50):
-2.3% faster in the geometric mean of 13 shapes of 128-256 rows a request, from +9.6% to -3.6%.
+2.3% faster in the geometric mean of 13 shapes of 128-256 rows a request, from +9.6% to -3.6%. Requests are
+taken longest first (an order computed on the GPU each step, work_order.longest_first), so that the last items
+drawn are the short ones and the SMs finish together when lengths vary.
 
 The rows of a CTA are `m_block * 64 + r` of the request's s_q * h query rows (row = token j * h + head).
 Keys each row may see: causal, new token j sees 0 .. seqlen - s_q + j. Only tiles that reach past the
@@ -120,7 +122,9 @@ class MLADecodeSm90:
                  scale_log2: Float32, stream):
         """q [b, s_q * h, 576]; kv [num_pages * 64, 576]; bt int32 [b, max_pages]; seqlens int32 [b];
         out [b, s_q * h, 512] (q's dtype), lse fp32 [b, s_q * h]; partials (split only) fp32
-        [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]."""
+        [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]. Persistent launches pass the scheduler's
+        int32 [2] counters in po's place and the order of the requests (int32 [b], work_order.longest_first)
+        in pl's."""
         rows = s_q * h
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
         mKV = cute.make_tensor(kv_ptr, cute.make_layout((num_pages * TILE_N, D_QK), stride=(D_QK, 1)))
@@ -136,8 +140,11 @@ class MLADecodeSm90:
             mPO = cute.make_tensor(po_ptr, cute.make_layout(
                 (batch, num_splits, rows, D_V),
                 stride=(cute.assume(num_splits * rows * D_V, divby=D_V), rows_dv, D_V, 1)))
-        mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
-                                                        stride=(num_splits * rows, rows, 1)))
+        if const_expr(self.persistent):
+            mPL = cute.make_tensor(pl_ptr, cute.make_layout(batch))     # the order in which requests are taken
+        else:
+            mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
+                                                            stride=(num_splits * rows, rows, 1)))
 
         # -- smem layouts: every operand K-major with the 128-byte swizzle (64 16-bit values per row) --
         atom = warpgroup.make_smem_layout_atom(
@@ -207,8 +214,9 @@ class MLADecodeSm90:
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tiled_mma_pv_rs: cute.TiledMma):
-        """Persistent launches: mPO is the scheduler's int32 [2] (next ticket, clusters done), num_splits the
-        number of clusters launched; see MLADecodePersistentSm90."""
+        """Persistent launches: mPO is the scheduler's int32 [2] (next ticket, clusters done), mPL the order of
+        the requests (item i is row-tile pair i % pairs of request mPL[i // pairs]), num_splits the number of
+        clusters launched."""
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, bz = cute.arch.block_idx()
         m_block, split, batch = bx, by, bz
@@ -267,9 +275,9 @@ class MLADecodeSm90:
                     kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
                                                   kv_state, batch, m_block, start, n_tiles, rank)
                 else:
-                    kv_state = self._produce_items(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, mSeqlens, mPO, q_pipe,
-                                                   kv_pipe, item_pipe, q_state, kv_state, storage, rows, rank, by,
-                                                   num_splits)
+                    kv_state = self._produce_items(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, mSeqlens, mPO, mPL,
+                                                   q_pipe, kv_pipe, item_pipe, q_state, kv_state, storage, rows,
+                                                   rank, by, num_splits)
                 if const_expr(self.cluster > 1):
                     # the other CTAs' consumers arrive on this CTA's barriers: wait for their last arrivals
                     # before exiting (an arrival on the smem of an exited CTA is undefined)
@@ -295,7 +303,7 @@ class MLADecodeSm90:
                 item, item_state = self._next_item(item_pipe, item_state, storage)
                 g = Int32(0)             # tiles of this CTA's earlier items (the ring's and the seesaw's count)
                 while item < n_items:
-                    batch_i = item // pairs
+                    batch_i = mPL[item // pairs]
                     m_block_i = (item % pairs) * self.cluster + rank
                     seqlen_i = mSeqlens[batch_i]
                     n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
@@ -476,12 +484,12 @@ class MLADecodeSm90:
     @cute.jit
     def _produce_items(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, tKVs: cute.Tensor,
                        tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, mSeqlens: cute.Tensor,
-                       mSched: cute.Tensor, q_pipe, kv_pipe, item_pipe, q_state, kv_state, storage, rows: Int32,
-                       rank: Int32, cid: Int32, n_clusters: Int32):
+                       mSched: cute.Tensor, mOrder: cute.Tensor, q_pipe, kv_pipe, item_pipe, q_state, kv_state,
+                       storage, rows: Int32, rank: Int32, cid: Int32, n_clusters: Int32):
         """The producer warp of a persistent launch: item `cid` first, then tickets from mSched[0] (offset by the
         clusters launched) until one is past the last item; each item is handed to the consumers, then its Q and
-        pages are loaded. Items are (request, pair of row tiles), request-major; CTA r of a cluster takes row
-        tile pair * cluster + r. The last cluster to finish resets the counters for the next launch."""
+        pages are loaded. Items are (request, pair of row tiles), request-major over the requests in mOrder's
+        order (longest first); CTA r of a cluster takes row tile pair * cluster + r. The last cluster to finish resets the counters for the next launch."""
         pairs = cute.ceil_div(rows, TILE_M) // self.cluster
         n_items = cute.size(mSeqlens) * pairs
         item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ITEM_STAGES)
@@ -489,7 +497,7 @@ class MLADecodeSm90:
         item = cid
         while item < n_items:
             item_state = self._publish_item(item_pipe, item_state, storage, item)
-            batch = item // pairs
+            batch = mOrder[item // pairs]
             m_block = (item % pairs) * self.cluster + rank
             n_tiles = (mSeqlens[batch] + TILE_N - 1) // TILE_N
             kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
