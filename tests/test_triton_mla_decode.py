@@ -164,6 +164,21 @@ def test_not_causal():
     check_against_reference(q, kv, table, seqlens, 0.15, 64, causal=False, num_splits=2)
 
 
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_grid_of_several_waves_takes_requests_longest_first(v_split):
+    """More programs than the (CPU stand-in's 8) SMs, unsplit: the request axis runs through the longest-first
+    order (work_order.grid_order); each request's rows still land in its own output rows."""
+    from mlaserve.kernels.triton.work_order import grid_order
+    gen = torch.Generator().manual_seed(13 + v_split)
+    lens = [5, 140, 0, 77, 140, 33, 1, 96, 64, 12]
+    kv, table, seqlens = make_paged(lens, 32, 80, torch.float16, gen)
+    q = torch.randn(len(lens), 2, 3, 80, generator=gen).to(torch.float16)
+    config = MLADecodeConfig(block_h=16, block_n=32, v_split=v_split, num_warps=4)
+    assert grid_order(seqlens, len(lens) * v_split, 1) is not None and grid_order(seqlens, 8, 1) is None
+    assert grid_order(seqlens, len(lens) * v_split, 2) is None, "split steps fill one wave: no order"
+    check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=1, config=config)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_deepseek_dims(num_splits):
     gen = torch.Generator().manual_seed(576 + num_splits)

@@ -128,6 +128,10 @@ CASES = [
     (5, 3, 3000, 5, "fp8", None),
     # <= 16 rows, FP8, >= 32 pages a split: the FP8-MMA kernel (b 128 above too), split
     (4, 1, 12000, 16, "fp8", 3),
+    # more 64-row programs than SMs, ragged lengths, unsplit: the grid takes requests longest first (b 128 h 128
+    # above too)
+    (150, 2, 3000, 64, "fp8", 1),
+    (140, 1, 3000, 128, "bf16", 1),
 ]
 
 

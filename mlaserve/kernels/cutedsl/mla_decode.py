@@ -158,7 +158,7 @@ def persistent_clusters(b: int, rows: int, kv_fp8: bool, split: bool, cluster: i
     items until none is left, so that an item's Q and first pages load while the one before it finishes.
     Split steps fill one wave by construction and gain nothing.
 
-    Interleaved A/B against the grid in one process on the H200 (scripts/persistent_ab.py, 13 shapes of 128-256
+    Interleaved A/B against the grid in one process on the H200 (scripts/decode_ab.py, 13 shapes of 128-256
     rows per request, b 128, s_k 4k-32k, fixed and variable lengths): 2.3% faster in the geometric mean, from 9.6%
     faster (h 64 s_q 2 s_k 16384) to 3.6% slower (h 128 s_q 2 s_k 16384, variable lengths); bench/NOTES.md 50."""
     if not PERSISTENT or kv_fp8 or split:

@@ -36,6 +36,7 @@ from mlaserve.kernels.triton.common import fp8_kv_values
 from mlaserve.kernels.triton.mla_decode_plan import (  # noqa: F401  (re-exported: the planning API)
     DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, default_config, full_wave_splits,
     plan_mla_decode, uses_fp8_mma, workspace_numel)
+from mlaserve.kernels.triton.work_order import grid_order
 
 _LOG2E = 1.4426950408889634
 
@@ -190,7 +191,7 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_pe, kv_ptr, page, start_n, 
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, order_ptr,
     qk_scale, num_splits, H, S_Q, ROWS,
     stride_qb, stride_qs, stride_qh, stride_page, stride_tok, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
@@ -198,15 +199,18 @@ def _mla_decode_kernel(
     CAUSAL: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_PE: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, DIM_PE: tl.constexpr, V_SPLIT: tl.constexpr, IS_FP8: tl.constexpr,
-    IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    IS_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_RESCALE: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Grid (b * row blocks * V_SPLIT, num_splits). Writes out/lse directly with one split, else partials.
 
     The programs of one request and split are adjacent, so that they read its KV tiles while the L2
     still holds them; b rides on the first grid axis, which (unlike the others) allows 2^31 programs.
+    ORDERED: the request axis runs through order_ptr (work_order.grid_order: longest first).
     """
     num_hv = tl.cdiv(ROWS, BLOCK_H) * V_SPLIT
     pid_b = tl.program_id(0) // num_hv
+    if ORDERED:
+        pid_b = tl.load(order_ptr + pid_b)
     pid_hv = tl.program_id(0) % num_hv
     pid_s = tl.program_id(1)
     pid_h = pid_hv // V_SPLIT
@@ -415,8 +419,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     if cfg.gluon and cfg.block_h == 64:
         from mlaserve.kernels.triton import mla_decode_gluon
         if mla_decode_gluon.supports(q, kv_cache, head_dim_v):
+            order = grid_order(cache_seqlens, b * triton.cdiv(s_q * h, 64), plan.num_splits)
             mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,
-                                              causal, plan, out, lse, stages=cfg.num_stages)
+                                              causal, plan, out, lse, stages=cfg.num_stages, order=order)
             return out, lse
     if cfg.gluon and cfg.block_h == 16 and uses_fp8_mma(cfg, kv_fp8, block_table.shape[1], plan.num_splits):
         from mlaserve.kernels.triton import mla_decode_gluon_fp8mma
@@ -436,8 +441,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)  # unused pointers when not split
     grid = (b * triton.cdiv(s_q * h, cfg.block_h) * cfg.v_split, plan.num_splits)
+    order = grid_order(cache_seqlens, grid[0], plan.num_splits)
     _mla_decode_kernel[grid](
         q, kv_cache, block_table, cache_seqlens.contiguous(), out, lse, po, pl,
+        cache_seqlens if order is None else order,
         softmax_scale * _LOG2E, plan.num_splits, h, s_q, s_q * h,
         q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
@@ -446,7 +453,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, HALF=block_v // 2,
         BLOCK_PE=max(16, triton.next_power_of_2(dim_pe)) if dim_pe else 16, HEAD_DIM_V=head_dim_v, DIM_PE=dim_pe,
         V_SPLIT=cfg.v_split, IS_FP8=kv_fp8, IS_SPLIT=split, NUM_STAGES=cfg.num_stages, LAZY_RESCALE=cfg.lazy_rescale,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ORDERED=order is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         combine_splits(plan, out, lse)

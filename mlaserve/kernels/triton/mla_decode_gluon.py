@@ -226,14 +226,15 @@ def finish_rows(m_i, l_i, ROW_LAYOUT: gl.constexpr):
 
 @gluon.jit
 def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
-                             pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_btb, stride_pob, stride_pos,
-                             CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                             DTYPE: gl.constexpr, KV_FP8: gl.constexpr):
+                             pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_btb, stride_pob,
+                             stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                             DTYPE: gl.constexpr, KV_FP8: gl.constexpr, ORDERED: gl.constexpr):
     """Grid (b * cdiv(ROWS, 64), num_splits); 8 warps + the producer warp. q_desc: q as [b * ROWS, 576] (row =
     token j * H + head), kv_desc: the cache as [pages * 64, 576], boxes [64, 64] (sc_desc, kpe_desc: the same);
     FP8: the cache as [pages * 64, 656] bytes seen as e4m3 ([64, 128] boxes), fp32 scales ([64, 4]) and bf16
     k_pe ([64, 64]). out [b * ROWS, 512]; lse [b * ROWS]; with splits po [b, splits, ROWS, 512] /
-    pl [b, splits, ROWS] fp32 instead."""
+    pl [b, splits, ROWS] fp32 instead. ORDERED: the request axis runs through order_ptr (work_order.grid_order:
+    longest first)."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, 256, 16])
@@ -243,6 +244,8 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens
 
     tiles = gl.cdiv(ROWS, BLOCK_M)
     b = gl.program_id(0) // tiles
+    if ORDERED:
+        b = gl.load(order_ptr + b)
     tile = gl.program_id(0) % tiles
     split = gl.program_id(1)
     rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, ROW_O)
@@ -315,9 +318,10 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
 
 
 def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
-                     stages: int = 2) -> None:
+                     stages: int = 2, order: torch.Tensor | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
-    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with a 64-row, 64-token config."""
+    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with a 64-row, 64-token config. `order`:
+    int32 [b], the order in which the grid takes the requests (work_order.grid_order), or None for batch order."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mlaserve.kernels import fp8_format
@@ -343,8 +347,10 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)
     _mla_decode_gluon_kernel[(b * triton.cdiv(rows, block_m), plan.num_splits)](
-        q_desc, kv_desc, sc_desc, kpe_desc, block_table, cache_seqlens, out, lse, po, pl, softmax_scale * LOG2E.value,
+        q_desc, kv_desc, sc_desc, kpe_desc, block_table, cache_seqlens, out, lse, po, pl,
+        cache_seqlens if order is None else order, softmax_scale * LOG2E.value,
         plan.num_splits, h, s_q, rows, block_table.stride(0), po.stride(0), po.stride(1),
-        CAUSAL=causal, IS_SPLIT=split, STAGES=stages, DTYPE=_GL_DTYPES[q.dtype], KV_FP8=kv_fp8, num_warps=8)
+        CAUSAL=causal, IS_SPLIT=split, STAGES=stages, DTYPE=_GL_DTYPES[q.dtype], KV_FP8=kv_fp8,
+        ORDERED=order is not None, num_warps=8)
     if split:
         combine_splits(plan, out, lse)

@@ -6,6 +6,10 @@ the shortest and the SMs finish close together. With lengths uniform in [s/2, 3s
 slots, a simulation of the two orders put the step at 1.40x (index order) and 1.05x (longest first) the
 perfectly balanced time (2 items per request: 1.19x and 1.03x).
 
+A grid of more programs than the SMs hold is list-scheduled the same way by the hardware, which starts
+programs in grid order as SMs free up: the grid kernels (the tl kernel, the 64-row Gluon kernel) map their
+request axis through the same order when their grid takes more than one wave (`grid_order`).
+
 The order is computed on the GPU from the lengths in one small kernel (no host sync, so that a decode step
 stays capturable in a CUDA graph): rank(i) = #{j : len_j > len_i, or len_j == len_i and j < i}, a stable
 descending sort, so that equal lengths keep batch order (and a batch of one length keeps the identity).
@@ -14,6 +18,8 @@ descending sort, so that equal lengths keep batch order (and a batch of one leng
 import torch
 import triton
 import triton.language as tl
+
+from mlaserve.kernels.triton.mla_decode_plan import _num_sms
 
 BLOCK = 128
 
@@ -45,3 +51,11 @@ def longest_first(lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     if b:
         _longest_first_kernel[(triton.cdiv(b, BLOCK),)](lens.contiguous(), out, b, BLOCK=BLOCK)
     return out
+
+
+def grid_order(cache_seqlens: torch.Tensor, programs: int, num_splits: int) -> torch.Tensor | None:
+    """The longest-first order for a grid kernel of `programs` programs per split, request-major, or None where
+    the order cannot matter: split steps (their split count fills one wave) and grids of one wave."""
+    if num_splits > 1 or programs <= _num_sms(cache_seqlens.device):
+        return None
+    return longest_first(cache_seqlens)

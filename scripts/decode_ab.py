@@ -1,13 +1,15 @@
-"""A/B of a switch of the CuTe DSL decode, on against off, interleaved in one process and timed as `mlaserve bench
-kernels` times them (inputs rotating over 256 MB, CUDA-graph replay, L2 cleared before each call, median),
-FlashInfer beside them where it is installed. The switches (module flags of mla_decode, read at launch):
-PERSISTENT (persistent launches against the ordinary grid), LONGEST_FIRST (persistent launches taking requests
-longest first against batch order).
+"""A/B of a switch of the decode kernels, on against off, interleaved in one process and timed as `mlaserve bench
+kernels` times them (inputs rotating over 256 MB, CUDA-graph replay, L2 cleared before each call, median), with
+FlashInfer beside them where it is installed. The switches, read at launch (so captured with each graph):
+  PERSISTENT     cutedsl: persistent launches against the ordinary grid (mla_decode.PERSISTENT)
+  LONGEST_FIRST  cutedsl: persistent launches taking requests longest first against batch order
+  GRID_ORDER     triton: grids of more than one wave taking requests longest first (work_order.grid_order)
+                 against batch order
 
-    python scripts/persistent_ab.py
-    python scripts/persistent_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
+    python scripts/decode_ab.py
+    python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
 
-Shapes: "bB hH [sqN] [skS] [var]" (s_q 1, s_k 4096, fixed lengths unless given).
+Shapes: "bB hH [sqN] [skS] [var] [fp8]" (s_q 1, s_k 4096, fixed lengths, bf16 KV unless given).
 """
 
 import argparse
@@ -24,41 +26,61 @@ from mlaserve.bench import peers, runners  # noqa: E402
 from mlaserve.bench.limits import capture_graphs, time_us  # noqa: E402
 from mlaserve.bench.shapes import DenseShape  # noqa: E402
 
-cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 DEFAULT_SHAPES = ("b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk16384,b128 h128 sq2 sk4096,b128 h128 sq2 sk8192,"
                   "b128 h128 sq2 sk32768,b128 h64 sq2 sk4096,b128 h64 sq2 sk16384,b128 h128 sk4096 var,"
                   "b128 h128 sk16384 var,b128 h128 sq2 sk4096 var,b128 h128 sq2 sk8192 var,b128 h128 sq2 sk16384 var")
 
 
-def graphs(prep, switch: str, on: bool):
-    setattr(cd, switch, on)             # read at launch, so captured with the graph
+def _module_flag(module: str, name: str):
+    m = importlib.import_module(module)
+    return lambda on: setattr(m, name, on)
+
+
+def _grid_order(on: bool):
+    td = importlib.import_module("mlaserve.kernels.triton.mla_decode")
+    wo = importlib.import_module("mlaserve.kernels.triton.work_order")
+    td.grid_order = wo.grid_order if on else (lambda *args: None)
+
+
+# switch -> (backend, setter(on))
+SWITCHES = {
+    "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
+    "LONGEST_FIRST": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LONGEST_FIRST")),
+    "GRID_ORDER": ("triton", _grid_order),
+}
+
+
+def graphs(prep, switch, on: bool):
+    switch(on)
     for call in prep.calls:
         call()
     torch.cuda.synchronize()
     replays = capture_graphs(prep.calls)
-    setattr(cd, switch, True)
+    switch(True)
     return replays
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
-    ap.add_argument("--switch", default="PERSISTENT", choices=("PERSISTENT", "LONGEST_FIRST"))
+    ap.add_argument("--switch", default="PERSISTENT", choices=tuple(SWITCHES))
     args = ap.parse_args()
+    backend, switch = SWITCHES[args.switch]
     dev = torch.device("cuda")
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, f"backend {backend}", flush=True)
     for spec in args.shapes.split(","):
         w = spec.split()
         s_q = next((int(x[2:]) for x in w if x.startswith("sq")), 1)
         s_k = next((int(x[2:]) for x in w if x.startswith("sk")), 4096)
-        shape = DenseShape(int(w[0][1:]), s_q, s_k, int(w[1][1:]), "bf16", varlen="var" in w)
+        shape = DenseShape(int(w[0][1:]), s_q, s_k, int(w[1][1:]), "fp8" if "fp8" in w else "bf16",
+                           varlen="var" in w)
         inputs = bench_inputs.make_dense(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
-        prep = runners.prepare_ops("cutedsl", shape, inputs)
-        on, off = graphs(prep, args.switch, True), graphs(prep, args.switch, False)
+        prep = runners.prepare_ops(backend, shape, inputs)
+        on, off = graphs(prep, switch, True), graphs(prep, switch, False)
         out_on = prep.calls[0]()[0]
-        setattr(cd, args.switch, False)
+        switch(False)
         same = torch.equal(out_on, prep.calls[0]()[0])
-        setattr(cd, args.switch, True)
+        switch(True)
         t = {"on": [], "off": []}
         for _ in range(2):
             t["on"].append(time_us(on, dev))
