@@ -133,3 +133,20 @@ def test_fp8_cuda_graph_replay_equals_eager():
     plan = cd.plan_mla_decode(b, 2, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
     _replay_equals_eager_and_reference(q, kv, table, seqlens, plan,
                                        lambda: check.fp8_reference(q, kv, table, seqlens))
+
+
+@pytest.mark.parametrize("s_q, h", [(1, 128), (2, 64)])
+def test_fp8_grid_of_several_waves_takes_requests_longest_first(monkeypatch, s_q, h):
+    """More 64-row CTAs than SMs, unsplit, ragged lengths (empty and one-token requests among them): the FP8
+    grid maps its request axis through the longest-first order; the result meets the reference and equals a
+    launch in batch order bit for bit."""
+    b = 150
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
+    assert cd.grid_order(seqlens, b * (s_q * h // 64), 1) is not None, "the case must run ordered"
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_reference(q, kv, table, seqlens))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    monkeypatch.setattr(cd, "LONGEST_FIRST", False)
+    out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)

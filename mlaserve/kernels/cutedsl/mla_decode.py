@@ -30,7 +30,7 @@ from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_po
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
 from mlaserve.kernels.triton.mla_decode_plan import _num_sms, full_wave_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
-from mlaserve.kernels.triton.work_order import longest_first
+from mlaserve.kernels.triton.work_order import grid_order, longest_first
 
 TILE_M = 64
 PAGE_SIZE = 64
@@ -80,15 +80,16 @@ def _check_fp8(q_dtype: torch.dtype, kv_shape) -> None:
                          f"{fp8_format.PACKED_BYTES}] (page size {PAGE_SIZE}), got shape {tuple(kv_shape)}")
 
 
-def _fp8_pointers(addresses) -> list:
+def _fp8_pointers(addresses, ordered: bool = False) -> list:
     """The FP8 kernel's 9 pointers (q, kv as int32 words, k_pe as bf16 from byte 528, block_table, seqlens,
     out, lse, partial out, partial lse) from the tensors' 8 addresses (None: stand-ins for compiling).
-    The k_pe pointer is kv + 528, still 16-byte aligned (TMA needs it)."""
+    The k_pe pointer is kv + 528, still 16-byte aligned (TMA needs it). Ordered launches pass the requests'
+    int32 order in partial out's place."""
     cutlass = importlib.import_module("cutlass")
     q, kv, *rest = [COMPILE_ADDRESS if a is None else a for a in addresses]
     kinds = ((cutlass.BFloat16, 16), (cutlass.Int32, 16), (cutlass.BFloat16, 16), (cutlass.Int32, 4),
-             (cutlass.Int32, 4), (cutlass.BFloat16, 16), (cutlass.Float32, 4), (cutlass.Float32, 4),
-             (cutlass.Float32, 4))
+             (cutlass.Int32, 4), (cutlass.BFloat16, 16), (cutlass.Float32, 4),
+             (cutlass.Int32, 4) if ordered else (cutlass.Float32, 4), (cutlass.Float32, 4))
     return gmem_pointers(kinds, (q, kv, kv + fp8_format.ROPE_OFFSET, *rest))
 
 
@@ -148,7 +149,8 @@ def cluster_size(rows: int, kv_fp8: bool) -> int:
 
 
 PERSISTENT = True
-# persistent launches take requests longest first (False: in batch order; for A/B runs)
+# persistent launches, and FP8 grids of more than one wave, take requests longest first (False: in batch order;
+# for A/B runs)
 LONGEST_FIRST = True
 
 
@@ -193,13 +195,16 @@ def fp8_narrow_cols(rows: int) -> int:
 
 
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
-            persistent: bool = False):
+            persistent: bool = False, ordered: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
-    unsplit): one CTA per SM taking work items until none is left."""
+    unsplit): one CTA per SM taking work items until none is left. `ordered` (the 64-row FP8 kernel, unsplit):
+    the grid's request axis through an order of the requests."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
+    if ordered:
+        key += ("ordered",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -214,8 +219,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split), *_fp8_pointers((None,) * 8),
-                              *scalars)
+            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered),
+                              *_fp8_pointers((None,) * 8, ordered), *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
             fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
@@ -281,14 +286,19 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         po, grid_y = scheduler_counters(q.device), clusters
         pl = (longest_first(cache_seqlens) if LONGEST_FIRST
               else torch.arange(b, dtype=torch.int32, device=q.device))
+    narrow = fp8_narrow_cols(s_q * h) if kv_fp8 else 0
+    order = None
+    if kv_fp8 and not narrow and LONGEST_FIRST:
+        order = grid_order(cache_seqlens, b * triton.cdiv(s_q * h, TILE_M), plan.num_splits)
+        if order is not None:
+            po = order
     if po.data_ptr() % 8:
         raise ValueError(f"the plan's partial_out must start on an 8-byte boundary, got address {po.data_ptr():#x}")
     cutlass = importlib.import_module("cutlass")
     cuda = importlib.import_module("cuda.bindings.driver")
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
-    fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, fp8_narrow_cols(s_q * h) if kv_fp8 else 0,
-                 bool(clusters))
-    fn(*(_fp8_pointers(addresses) if kv_fp8 else _pointers(q.dtype, addresses, bool(clusters))),
+    fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None)
+    fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8 else _pointers(q.dtype, addresses, bool(clusters))),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(grid_y), cutlass.Float32(softmax_scale * _LOG2E),
        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))

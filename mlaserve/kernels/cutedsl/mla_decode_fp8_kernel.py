@@ -77,12 +77,17 @@ LOADER_THREADS = 128
 
 
 class MLADecodeFP8Sm90:
-    """Compiled per (causal, split); q, out bf16. Launched by mla_decode.py through `__call__`."""
+    """Compiled per (causal, split, ordered); q, out bf16. Launched by mla_decode.py through `__call__`."""
 
-    def __init__(self, causal: bool, is_split: bool):
+    def __init__(self, causal: bool, is_split: bool, ordered: bool = False):
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
+        # the grid's request axis runs through an int32 order (work_order.grid_order: longest first), passed in
+        # partial out's place (unsplit steps only)
+        self.ordered = ordered
+        if ordered and is_split:
+            raise ValueError("ordered launches are for unsplit decode steps")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -92,12 +97,15 @@ class MLADecodeFP8Sm90:
         """q bf16 [b, s_q * h, 576]; kv: the cache uint8 [num_pages * 64, 656] as int32 words; rope: the same
         cache as bf16 from byte 528 (k_pe, row stride 328 elements); bt int32 [b, max_pages]; seqlens int32
         [b]; out bf16 [b, s_q * h, 512], lse fp32 [b, s_q * h]; partials (split only) fp32
-        [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]."""
+        [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]. Ordered launches pass the requests' int32
+        order [b] in partial out's place."""
         rows = s_q * h
         (mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout), \
             (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma) = fp8_host_setup(
                 TILE_M, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q,
                 h, num_pages, max_pages, num_splits)
+        if const_expr(self.ordered):
+            mPO = cute.make_tensor(po_ptr, cute.make_layout(batch))
         sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
 
         tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
@@ -118,6 +126,8 @@ class MLADecodeFP8Sm90:
                sRaw_layout: cute.Layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, split, batch = cute.arch.block_idx()
+        if const_expr(self.ordered):
+            batch = mPO[batch]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
