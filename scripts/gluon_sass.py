@@ -34,19 +34,20 @@ def _fp8_descs():
     return [mangle_type(d) for d in (ckv, sc, kpe)]
 
 
-def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mma"):
+def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mma", ordered=0):
     import importlib
     m = importlib.import_module(module)
     d = _fp8_descs()
     sig = {"ckv_desc": d[0], "sc_desc": d[1], "kpe_desc": d[2], "q_ptr": "*bf16", "bt_ptr": "*i32",
            "seqlens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
-           "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32", "stride_qb": "i32",
-           "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
-           "IS_SPLIT": "constexpr"}
-    return m._mla_decode_fp8mma_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split}
+           "order_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32",
+           "stride_qb": "i32", "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
+           "IS_SPLIT": "constexpr", "ORDERED": "constexpr"}
+    return m._mla_decode_fp8mma_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "ORDERED": ordered}
 
 
-def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narrow", fp8=1, rows=16, dq=1):
+def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narrow", fp8=1, rows=16, dq=1,
+           ordered=0):
     import importlib
     m = importlib.import_module(module)
     d = _fp8_descs()
@@ -56,14 +57,14 @@ def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narro
             swizzle_byte_width=128, element_bitwidth=16, rank=2)))] * 3
     sig = {"ckv_desc": d[0], "sc_desc": d[1], "kpe_desc": d[2], "q_ptr": "*bf16", "bt_ptr": "*i32",
            "seqlens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
-           "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32", "stride_qb": "i32",
-           "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
+           "order_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32",
+           "stride_qb": "i32", "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
            "IS_SPLIT": "constexpr", "STAGES": "constexpr", "KV_FP8": "constexpr", "BLOCK_R": "constexpr",
-           "DQ_WG": "constexpr"}
+           "DQ_WG": "constexpr", "ORDERED": "constexpr"}
     dq = dq and fp8 and rows <= 16
     return m._mla_decode_narrow_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split,
                                               "STAGES": m.ring_stages(fp8, rows, dq), "KV_FP8": fp8, "BLOCK_R": rows,
-                                              "DQ_WG": dq}
+                                              "DQ_WG": dq, "ORDERED": ordered}
 
 
 def main():
@@ -75,11 +76,13 @@ def main():
     ap.add_argument("--module", default=None, help="the kernel's module (a variant of it)")
     ap.add_argument("--fp8", type=int, default=1, help="narrow: FP8 KV (else bf16)")
     ap.add_argument("--rows", type=int, default=16, help="narrow: BLOCK_R, 16 or 32")
+    ap.add_argument("--ordered", type=int, default=0, help="the request axis through an order (ORDERED)")
     a = ap.parse_args()
     if a.kernel == "fp8mma":
-        fn, sig, consts = fp8mma(a.causal, a.split, *([a.module] if a.module else []))
+        fn, sig, consts = fp8mma(a.causal, a.split, *([a.module] if a.module else []), ordered=a.ordered)
     else:
-        fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows)
+        fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows,
+                                 ordered=a.ordered)
     k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     os.makedirs(a.out, exist_ok=True)
     open(f"{a.out}/k.cubin", "wb").write(k.asm["cubin"])

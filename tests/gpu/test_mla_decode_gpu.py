@@ -132,6 +132,11 @@ CASES = [
     # above too)
     (150, 2, 3000, 64, "fp8", 1),
     (140, 1, 3000, 128, "bf16", 1),
+    # likewise for the narrow kernels (one program per request: more requests than SMs): bf16 32 rows, FP8 with the
+    # dequantizing warpgroup (< 32 pages), the FP8-MMA kernel (>= 32 pages)
+    (200, 2, 2000, 16, "bf16", 1),
+    (200, 1, 1000, 16, "fp8", 1),
+    (200, 1, 3000, 16, "fp8", 1),
 ]
 
 

@@ -427,13 +427,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         from mlaserve.kernels.triton import mla_decode_gluon_fp8mma
         if mla_decode_gluon_fp8mma.supports(q, kv_cache, head_dim_v):
             mla_decode_gluon_fp8mma.mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens.contiguous(),
-                                                            softmax_scale, causal, plan, out, lse)
+                                                            softmax_scale, causal, plan, out, lse,
+                                                            order=grid_order(cache_seqlens, b, plan.num_splits))
             return out, lse
     if cfg.gluon and cfg.block_h in (16, 32):
         from mlaserve.kernels.triton import mla_decode_gluon_narrow
         if mla_decode_gluon_narrow.supports(q, kv_cache, head_dim_v):
             mla_decode_gluon_narrow.mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens.contiguous(),
-                                                            softmax_scale, causal, plan, out, lse)
+                                                            softmax_scale, causal, plan, out, lse,
+                                                            order=grid_order(cache_seqlens, b, plan.num_splits))
             return out, lse
     if cfg.gluon and cfg.block_h == 64 and s_q * h <= 32:
         # no Gluon here: the tl kernel's own config for <= 32 rows (32-row blocks, 3 stages) on the same grid

@@ -134,11 +134,10 @@ def _page_scales(sc_stage, gm, n_valid, KEY: gl.constexpr, SC2: gl.constexpr, G4
 
 
 @gluon.jit
-def _scale_partition(sc_smem, gm_smem, ready, gready, seqlens_ptr, num_splits, H, S_Q, CAUSAL: gl.constexpr):
+def _scale_partition(sc_smem, gm_smem, ready, gready, seqlens_ptr, b, num_splits, H, S_Q, CAUSAL: gl.constexpr):
     """The scale warp: each page's per-group maximum scale (keys past the request's end left out) into gm_smem,
     once the page has landed; its own barrier tells the compute warpgroups."""
     SCL: gl.constexpr = gl.BlockedLayout([2, 4], [32, 1], [1, 1], [1, 0])
-    b = gl.program_id(0)
     split = gl.program_id(1)
     rows = gl.arange(0, BLOCK_R, gl.SliceLayout(0, SCL))
     seqlen, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL)
@@ -168,8 +167,8 @@ def _pv_pair(v0, v1, pt, g: gl.constexpr, zero):
 
 @gluon.jit
 def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem, xm_smem,
-              ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H,
-              S_Q, ROWS, stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, W: gl.constexpr):
+              ready, gready, empty, done, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits,
+              H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, W: gl.constexpr):
     """Compute warpgroup W: pages W, W + 2, ... of the split; warpgroup 1 hands its state to warpgroup 0, which
     merges and stores."""
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32])
@@ -188,7 +187,6 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, 
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[PAGE, 4])
     G4: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    b = gl.program_id(0)
     split = gl.program_id(1)
     rows = gl.arange(0, BLOCK_R, ROW)
     seqlen, start, n_tiles, vis, min_vis = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q,
@@ -278,12 +276,13 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, 
 
 @gluon.jit
 def _second_consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem,
-                     xm_smem, ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale,
-                     num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr):
+                     xm_smem, ready, gready, empty, done, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr,
+                     qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL: gl.constexpr,
+                     IS_SPLIT: gl.constexpr):
     """The worker partition's entry: _consumer as warpgroup 1."""
     _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem, xm_smem, ready,
-              gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-              stride_pob, stride_pos, CAUSAL, IS_SPLIT, 1)
+              gready, empty, done, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q,
+              ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, 1)
 
 
 @gluon.jit
@@ -298,13 +297,18 @@ def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_pt
 
 @gluon.jit
 def _mla_decode_fp8mma_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
-                              pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb, stride_pob,
-                              stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr):
+                              pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb,
+                              stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr,
+                              ORDERED: gl.constexpr):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp. q [b, ROWS, 576] bf16 (row = token j * H +
     head, ROWS <= 16); the FP8 cache behind three descriptors over its [pages * 64, 656] bytes. out [b * ROWS,
-    512] bf16, lse [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead."""
+    512] bf16, lse [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead.
+    ORDERED: the request axis runs through order_ptr (work_order.grid_order: longest first); the partitions get
+    the request from here."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     b = gl.program_id(0)
+    if ORDERED:
+        b = gl.load(order_ptr + b)
     split = gl.program_id(1)
     qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, QL))
     _, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, qr, H, S_Q, CAUSAL)
@@ -354,14 +358,14 @@ def _mla_decode_fp8mma_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
     gl.warp_specialize(
         [(_consumer, (q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem, xm_smem,
-                      ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits,
-                      H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, 0)),
+                      ready, gready, empty, done, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale,
+                      num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, 0)),
          (_second_consumer, (q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, pt_smem, xo_smem,
-                             xm_smem, ready, gready, empty, done, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
+                             xm_smem, ready, gready, empty, done, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr,
                              qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT)),
          (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty, ready,
                             empty, start // PAGE, n_tiles, STAGES, True, False, 2)),
-         (_scale_partition, (sc_smem, gm_smem, ready, gready, seqlens_ptr, num_splits, H, S_Q, CAUSAL))],
+         (_scale_partition, (sc_smem, gm_smem, ready, gready, seqlens_ptr, b, num_splits, H, S_Q, CAUSAL))],
         [4, 1, 1], [240, 24, 48])
 
 
@@ -375,9 +379,11 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
             and q.dtype == torch.bfloat16 and d_qk == D_V.value + D_PE.value and head_dim_v == D_V.value)
 
 
-def mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse) -> None:
+def mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
+                            order: torch.Tensor | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
-    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16-row programs."""
+    (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16-row programs. `order`: int32 [b],
+    the order in which the grid takes the requests (work_order.grid_order), or None for batch order."""
     from mlaserve.kernels.triton.mla_decode import combine_splits
     assert fp8_format.PACKED_BYTES == ROW_BYTES.value
     b, s_q, h, _ = q.shape
@@ -388,7 +394,8 @@ def mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens, softmax_sca
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)
     _mla_decode_fp8mma_kernel[(b, plan.num_splits)](
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
-        softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows, qc.stride(0), block_table.stride(0),
-        po.stride(0), po.stride(1), CAUSAL=causal, IS_SPLIT=split, num_warps=4)
+        cache_seqlens if order is None else order, softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows,
+        qc.stride(0), block_table.stride(0), po.stride(0), po.stride(1), CAUSAL=causal, IS_SPLIT=split,
+        ORDERED=order is not None, num_warps=4)
     if split:
         combine_splits(plan, out, lse)

@@ -101,14 +101,13 @@ def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_
 
 
 @gluon.jit
-def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, empty, seqlens_ptr, num_splits, H,
-                       S_Q, CAUSAL: gl.constexpr, RAW_UNITS: gl.constexpr):
+def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, empty, seqlens_ptr, b, num_splits,
+                       H, S_Q, CAUSAL: gl.constexpr, RAW_UNITS: gl.constexpr):
     """DQ_WG's dequantizing warpgroup: each FP8 page from its two raw units into the bf16 tile t % 2 (once both
     compute warpgroups are done with it), a unit freed as soon as it is read; the tile's ready barrier takes
     this arrival and the producer's k_pe bytes."""
     CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     SCL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    b = gl.program_id(0)
     split = gl.program_id(1)
     rows = gl.arange(0, 16, gl.SliceLayout(1, SCL))        # only for the helper's per-row visibility, unused
     seqlen, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL)
@@ -133,7 +132,7 @@ def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, e
 
 
 @gluon.jit
-def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
+def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr, b,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
               BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr, W: gl.constexpr):
@@ -149,7 +148,6 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
     CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     SCL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
 
-    b = gl.program_id(0)
     split = gl.program_id(1)
     rows = gl.arange(0, BLOCK_R, ROW_S)
     seqlen, start, n_tiles, vis, min_vis = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q,
@@ -246,11 +244,11 @@ def softmax_keys_on_m(sco, m_i, l_acc, tok0, min_vis, vis, KEY: gl.constexpr):
 
 @gluon.jit
 def _second_consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
-                     seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob,
-                     stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                     seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+                     stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
                      KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr):
     """The worker partition's entry: _consumer as warpgroup 1."""
-    _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr,
+    _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr, b,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 1)
 
@@ -279,19 +277,23 @@ def store_columns(o, cols, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr,
 
 @gluon.jit
 def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
-                              pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb, stride_pob,
-                              stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                              KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr):
+                              pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb,
+                              stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr,
+                              STAGES: gl.constexpr, KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr,
+                              ORDERED: gl.constexpr):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp (+ 4 dequantizing warps with DQ_WG).
     q [b, ROWS, 576] bf16 (row = token j * H + head, ROWS <= BLOCK_R = 16 or 32); the cache behind its
     descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of a row), bf16 as [pages * 64, 576] (one,
     [64, 64] boxes). out [b * ROWS, 512] bf16, lse [b * ROWS]; with splits po [b, splits, ROWS, 512] /
-    pl [b, splits, ROWS] fp32 instead."""
+    pl [b, splits, ROWS] fp32 instead. ORDERED: the request axis runs through order_ptr (work_order.grid_order:
+    longest first); the partitions get the request from here."""
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     # the second compute warpgroup's registers: 168 fit 16 rows; 32 rows spill 32 B there, none at 208
     WORKER_REGS: gl.constexpr = 168 if BLOCK_R == 16 else 208
     DQ_REGS: gl.constexpr = 96
     b = gl.program_id(0)
+    if ORDERED:
+        b = gl.load(order_ptr + b)
     split = gl.program_id(1)
     qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, QL))
     _, start, n_tiles, _, _ = split_and_visibility(seqlens_ptr, b, split, num_splits, qr, H, S_Q, CAUSAL)
@@ -349,12 +351,12 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
         # the compute warpgroups read the bf16 tiles (kbuf) as their ring; the dequantizer fills them
         gl.warp_specialize(
             [(_consumer, (q_smem, qpe_smem, kbuf, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
-                          seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+                          seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
                           stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0)),
              (_second_consumer, (q_smem, qpe_smem, kbuf, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
-                                 seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+                                 seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
                                  stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG)),
-             (_dequant_partition, (ckv_smem, sc_smem, kbuf, raw_ready, raw_empty, ready, empty, seqlens_ptr,
+             (_dequant_partition, (ckv_smem, sc_smem, kbuf, raw_ready, raw_empty, ready, empty, seqlens_ptr, b,
                                    num_splits, H, S_Q, CAUSAL, RAW_UNITS)),
              (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
                                 raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS))],
@@ -362,10 +364,10 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     else:
         gl.warp_specialize(
             [(_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
-                          seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
+                          seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
                           stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0)),
              (_second_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty,
-                                 xbar, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q,
+                                 xbar, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q,
                                  ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG)),
              (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
                                 raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS))],
@@ -404,12 +406,14 @@ def fp8_descriptors(kv_cache: torch.Tensor):
 
 
 def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, plan, out, lse,
-                            stages: int | None = None, dequant_warpgroup: bool | None = None) -> None:
+                            stages: int | None = None, dequant_warpgroup: bool | None = None,
+                            order: torch.Tensor | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
     (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16- or 32-row programs.
     `dequant_warpgroup` (FP8 and <= 16 rows only, where two bf16 tiles fit in shared memory; the default
     there): a third warpgroup dequantizes each page into one of two bf16 tiles while the compute warpgroups work
-    on the other, instead of the compute warpgroups dequantizing into one tile themselves."""
+    on the other, instead of the compute warpgroups dequantizing into one tile themselves. `order`: int32 [b], the
+    order in which the grid takes the requests (work_order.grid_order), or None for batch order."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mlaserve.kernels.triton.mla_decode import combine_splits
@@ -432,9 +436,9 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)
     _mla_decode_narrow_kernel[(b, plan.num_splits)](
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
-        softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows, qc.stride(0), block_table.stride(0),
-        po.stride(0), po.stride(1),
+        cache_seqlens if order is None else order, softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows,
+        qc.stride(0), block_table.stride(0), po.stride(0), po.stride(1),
         CAUSAL=causal, IS_SPLIT=split, STAGES=ring_stages(kv_fp8, rows, dq, stages),
-        KV_FP8=kv_fp8, BLOCK_R=16 if rows <= 16 else 32, DQ_WG=dq, num_warps=4)
+        KV_FP8=kv_fp8, BLOCK_R=16 if rows <= 16 else 32, DQ_WG=dq, ORDERED=order is not None, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
