@@ -17,7 +17,10 @@ h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-202
 - against `triton` (a primary only where the CuTe DSL cannot run), FlashInfer wins from 64 rows on (Triton at
   0.92-1.02x at h 64, 0.79-0.91x at h 128); up to 32 rows Triton keeps the steps: 1.03-1.09x FlashInfer at
   h 16 (b 128; 1.01-1.70x at b 16/4/1) and 0.96-1.04x at h 32 (behind by 4% at s_k 4k-8k, ahead at 16k-32k);
-  the CuTe DSL kernel would take the steps from 17 rows.
+  the CuTe DSL kernel would take the steps from 17 rows. With variable lengths (uniform in [s/2, 3s/2]) and
+  Triton's grids taking requests longest first, Triton is ahead at 128 rows (1.04-1.12x) and still behind at 64
+  (0.93-0.99x) (h200-20261201-8f6ce4c-dense.json): the rule follows the fixed-length shapes, where FlashInfer
+  leads by 15-25% at 128 rows; which regime a step is in would need its lengths' spread at plan time.
 Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
 from dataclasses import dataclass
