@@ -7,8 +7,10 @@ slots, a simulation of the two orders put the step at 1.40x (index order) and 1.
 perfectly balanced time (2 items per request: 1.19x and 1.03x).
 
 A grid of more programs than the SMs hold is list-scheduled the same way by the hardware, which starts
-programs in grid order as SMs free up: the grid kernels (the tl kernel, the 64-row Gluon kernel) map their
-request axis through the same order when their grid takes more than one wave (`grid_order`).
+programs in grid order as SMs free up: the grid kernels (triton's tl, 64-row Gluon, narrow and FP8-MMA kernels,
+the CuTe 64-row FP8 kernel) map their request axis through the same order when their grid takes more than one
+wave (`grid_order`). Measured on the H200 in interleaved A/Bs: 1.1-1.4x faster with variable lengths, 0.4-3%
+slower with fixed ones (this kernel's launch; bench/NOTES.md 52).
 
 The order is computed on the GPU from the lengths in one small kernel (no host sync, so that a decode step
 stays capturable in a CUDA graph): rank(i) = #{j : len_j > len_i, or len_j == len_i and j < i}, a stable
