@@ -489,7 +489,8 @@ class MLADecodeSm90:
         """The producer warp of a persistent launch: item `cid` first, then tickets from mSched[0] (offset by the
         clusters launched) until one is past the last item; each item is handed to the consumers, then its Q and
         pages are loaded. Items are (request, pair of row tiles), request-major over the requests in mOrder's
-        order (longest first); CTA r of a cluster takes row tile pair * cluster + r. The last cluster to finish resets the counters for the next launch."""
+        order (longest first); CTA r of a cluster takes row tile pair * cluster + r. The last cluster to finish
+        resets the counters for the next launch."""
         pairs = cute.ceil_div(rows, TILE_M) // self.cluster
         n_items = cute.size(mSeqlens) * pairs
         item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ITEM_STAGES)
