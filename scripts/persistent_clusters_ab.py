@@ -1,12 +1,18 @@
-"""Diagnosis of the persistent CuTe decode's bimodal times (bench/NOTES.md 53): the default cluster count (every
-cluster slot of the GPU) against fewer clusters and against the ordinary grid, interleaved in one process and timed
-as `mlaserve bench kernels` times them. If some clusters of a full launch start late (fewer co-resident than
-launched), their static first item runs late and a launch of fewer clusters is faster and steadier. Run it in
-several processes: the bimodality showed from process to process.
+"""Diagnosis of the persistent CuTe decode's bimodal times (bench/NOTES.md 53).
 
-    for i in 1 2 3; do python scripts/persistent_clusters_ab.py; done
+1. Timing, interleaved in one process and timed as `mlaserve bench kernels` times them: the default launch (every
+   cluster slot of the GPU, cluster c's first item is item c) against 2 and 6 fewer clusters, against every item
+   drawn from the ticket counter (mla_decode.DYNAMIC_FIRST) and against the ordinary grid; each shape on --sets
+   input sets allocated at different addresses (the bimodality showed from process to process, with the same
+   inputs at other addresses).
+2. Traces (--trace): each item's SM, start and end (globaltimer ns, SM clock) from eager launches
+   (mla_decode.TRACE), summarized per launch: span, how late the clusters start, item times, the SM clock rate,
+   gaps between a cluster's items, and how long SMs sit idle at the end. Raw traces go to $OUT/traces.pt.
+
+    for i in 1 2; do python scripts/persistent_clusters_ab.py --trace; done
 """
 
+import argparse
 import importlib
 import os
 import sys
@@ -22,44 +28,108 @@ from mlaserve.bench.shapes import DenseShape  # noqa: E402
 
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 DEFAULT = cd.persistent_clusters
-SHAPES = ((128, 2, 32768, 64), (128, 1, 16384, 128), (128, 2, 4096, 128))
-VARIANTS = ("all", "minus2", "minus6", "grid")
+SHAPES = ((128, 2, 32768, 64), (128, 1, 32768, 128), (128, 1, 16384, 128), (128, 2, 4096, 128), (128, 1, 4096, 128))
+VARIANTS = ("all", "minus2", "minus6", "dynamic", "grid")
+FIELDS = 5      # mla_decode_kernel.TRACE_FIELDS
 
 
 def use(variant: str) -> None:
     """Set the module's launch choice (read at launch, so captured with each graph)."""
     cd.PERSISTENT = variant != "grid"
+    cd.DYNAMIC_FIRST = variant == "dynamic"
     fewer = {"minus2": 2, "minus6": 6}.get(variant, 0)
     cd.persistent_clusters = (lambda *a: max(DEFAULT(*a) - fewer, 0) if DEFAULT(*a) else 0) if fewer else DEFAULT
 
 
+def max_active_clusters(size: int) -> int:
+    """The driver's count of co-resident clusters of `size` CTAs (the DSL's HardwareInfo)."""
+    hw = importlib.import_module("cutlass.utils").HardwareInfo(torch.cuda.current_device())
+    return hw.get_max_active_clusters(size)
+
+
+def summarize(trace: torch.Tensor) -> str:
+    """One line about one traced launch: [items x cluster, FIELDS] int32 (SM, t0 ns, t1 ns, c0, c1)."""
+    t = trace[2:].view(-1, FIELDS).to(torch.int64)
+    sm, t0, t1, c0, c1 = t.unbind(1)
+    base = t0.min()
+    t0, t1 = (t0 - base) % (1 << 32), (t1 - base) % (1 << 32)     # globaltimer_lo wraps every 4.3 s
+    dur = (t1 - t0).double()
+    mhz = ((c1 - c0) % (1 << 32)).double() / dur * 1e3
+    span = t1.max().item()
+    firsts, idle_end, gaps = [], [], []
+    for s in sm.unique().tolist():
+        on = (sm == s).nonzero().flatten()
+        order = on[t0[on].argsort()]
+        firsts.append(t0[order[0]].item())
+        idle_end.append(span - t1[order[-1]].item())
+        gaps += (t0[order[1:]] - t1[order[:-1]]).tolist()
+    firsts = torch.tensor(firsts, dtype=torch.float64)
+    idle_end = torch.tensor(idle_end, dtype=torch.float64)
+    gap = torch.tensor(gaps or [0], dtype=torch.float64)
+    return (f"span {span / 1e3:7.1f} us  SMs {len(firsts)}  first start med/max {firsts.median() / 1e3:5.1f}/"
+            f"{firsts.max() / 1e3:6.1f} us (>10us late: {(firsts > 1e4).sum().item()})  item us min/med/max "
+            f"{dur.min() / 1e3:6.1f}/{dur.median() / 1e3:6.1f}/{dur.max() / 1e3:6.1f}  MHz min/med/max "
+            f"{mhz.min():4.0f}/{mhz.median():4.0f}/{mhz.max():4.0f}  gap med/max {gap.median() / 1e3:4.1f}/"
+            f"{gap.max() / 1e3:5.1f} us  idle at end med/max {idle_end.median() / 1e3:6.1f}/{idle_end.max() / 1e3:6.1f} us")
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sets", type=int, default=2, help="input sets per shape, at different addresses")
+    ap.add_argument("--trace", action="store_true", help="also trace eager launches (static and dynamic first)")
+    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
+    args = ap.parse_args()
     dev = torch.device("cuda")
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for b, s_q, s_k, h in SHAPES:
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "SMs",
+          torch.cuda.get_device_properties(dev).multi_processor_count, flush=True)
+    print("max active clusters of 1 / 2 CTAs (driver):", max_active_clusters(1), max_active_clusters(2), flush=True)
+    traces = {}
+    gen = torch.Generator().manual_seed(1)
+    for b, s_q, s_k, h in SHAPES[:args.shapes]:
         shape = DenseShape(b, s_q, s_k, h, "bf16")
-        inputs = bench_inputs.make_dense(shape, dev, seed=b + h, rotate_bytes=256 << 20)
-        prep = runners.prepare_ops("cutedsl", shape, inputs)
-        graphs = {}
-        for v in VARIANTS:
-            use(v)
-            for call in prep.calls:
-                call()
-            torch.cuda.synchronize()
-            graphs[v] = capture_graphs(prep.calls)
-        use("all")
-        reference = prep.calls[0]()[0]
-        times = {v: [] for v in VARIANTS}
-        for _ in range(3):
-            for v, g in graphs.items():
-                times[v].append(time_us(g, dev))
-        same = True
-        for v in VARIANTS:
-            use(v)
-            same = same and torch.equal(reference, prep.calls[0]()[0])
-        use("all")
-        print(f"{shape.key:24s} " + "  ".join(f"{v} {min(t):8.1f} us" for v, t in times.items())
-              + ("" if same else "  OUTPUTS DIFFER"), flush=True)
+        for rep in range(args.sets):
+            # a pad of random size first, so that each set's pages land at other addresses
+            pad = torch.empty(int(torch.randint(1, 1 << 30, (1,), generator=gen)), dtype=torch.uint8, device=dev)
+            inputs = bench_inputs.make_dense(shape, dev, seed=b + h + rep, rotate_bytes=256 << 20)
+            prep = runners.prepare_ops("cutedsl", shape, inputs)
+            graphs = {}
+            for v in VARIANTS:
+                use(v)
+                for call in prep.calls:
+                    call()
+                torch.cuda.synchronize()
+                graphs[v] = capture_graphs(prep.calls)
+            use("all")
+            reference = prep.calls[0]()[0]
+            times = {v: [] for v in VARIANTS}
+            for _ in range(3):
+                for v, g in graphs.items():
+                    times[v].append(time_us(g, dev))
+            differ = []
+            for v in VARIANTS:
+                use(v)
+                if not torch.equal(reference, prep.calls[0]()[0]):
+                    differ.append(v)
+            use("all")
+            print(f"{shape.key:24s} set {rep} " + "  ".join(f"{v} {min(t):7.1f}" for v, t in times.items())
+                  + " us" + (f"  OUTPUTS DIFFER: {differ}" if differ else ""), flush=True)
+            if args.trace:
+                cd.TRACE = True
+                for v in ("all", "dynamic"):
+                    use(v)
+                    prep.calls[0]()
+                    for i in range(3):
+                        prep.calls[0]()
+                        torch.cuda.synchronize()
+                        traces[f"{shape.key} set {rep} {v} {i}"] = cd.last_trace.cpu()
+                        print(f"  trace {v:8s} {i}: {summarize(cd.last_trace.cpu())}", flush=True)
+                cd.TRACE = False
+                use("all")
+            del graphs, prep, inputs, pad
+            torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out and traces:
+        torch.save(traces, os.path.join(out, "traces.pt"))
     return 0
 
 

@@ -75,6 +75,7 @@ CONSUMER_REGS = 240
 THREADS = 3 * 128
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
 ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
+TRACE_FIELDS = 5      # traced persistent launches, per item and CTA: SM, start and end ns, start and end clock
 
 
 def page_split(seqlen: Int32, split: Int32, num_splits: Int32):
@@ -104,7 +105,8 @@ class MLADecodeSm90:
     """Compiled per (dtype, causal, split, cluster). Launched by mla_decode.py through `__call__` (a cute.jit
     host function)."""
 
-    def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False):
+    def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
+                 dynamic_first: bool = False, trace: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -112,8 +114,14 @@ class MLADecodeSm90:
         # one CTA (cluster) per SM that takes work items (request, row tiles) from a global ticket counter until
         # none is left, so that an item's Q and first pages load while the one before finishes (unsplit only)
         self.persistent = persistent
+        # persistent: every item, the first too, drawn from the ticket counter (False: cluster c starts with item c)
+        self.dynamic_first = dynamic_first
+        # persistent: record each item's SM, start and end (globaltimer ns and SM clock) after the counters
+        self.trace = trace
         if persistent and is_split:
             raise ValueError("persistent launches are for unsplit decode steps")
+        if (dynamic_first or trace) and not persistent:
+            raise ValueError("dynamic_first and trace are options of persistent launches")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -135,7 +143,9 @@ class MLADecodeSm90:
         mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows_dv, D_V, 1)))
         mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
         if const_expr(self.persistent):
-            mPO = cute.make_tensor(po_ptr, cute.make_layout(2))       # the scheduler's int32 counters
+            # the scheduler's int32 counters (then, traced, TRACE_FIELDS per item and CTA)
+            mPO = cute.make_tensor(po_ptr, cute.make_layout(
+                2 + (batch * cute.ceil_div(rows, TILE_M) * TRACE_FIELDS if const_expr(self.trace) else 0)))
         else:
             mPO = cute.make_tensor(po_ptr, cute.make_layout(
                 (batch, num_splits, rows, D_V),
@@ -308,9 +318,13 @@ class MLADecodeSm90:
                     seqlen_i = mSeqlens[batch_i]
                     n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
                     ops[8].fill(0.0)     # acc_o
+                    if const_expr(self.trace):
+                        self._trace(mPO, item * self.cluster + rank, cw, ctid, 0)
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, 0, n_tiles_i, g,
                                        batch_i, 0, m_block_i, s_q, h, rows, scale_log2)
+                    if const_expr(self.trace):
+                        self._trace(mPO, item * self.cluster + rank, cw, ctid, 1)
                     q_state.advance()
                     g = g + n_tiles_i
                     item, item_state = self._next_item(item_pipe, item_state, storage)
@@ -467,6 +481,20 @@ class MLADecodeSm90:
     # -- persistent launches: the work-item scheduler --
 
     @cute.jit
+    def _trace(self, mSched: cute.Tensor, slot: Int32, cw: Int32, ctid: Int32, end: int):
+        """Traced launches: consumer 0's first thread records where and when its CTA's part of an item starts
+        (SM, ns, clock) or ends (ns, clock) in mSched[2 + slot * TRACE_FIELDS ..]."""
+        if cw == 0 and ctid == 0:
+            base = 2 + slot * TRACE_FIELDS
+            if const_expr(end):
+                mSched[base + 2] = cute.arch.globaltimer_lo()
+                mSched[base + 4] = cute.arch.clock()
+            else:
+                mSched[base] = cute.arch.smid()
+                mSched[base + 1] = cute.arch.globaltimer_lo()
+                mSched[base + 3] = cute.arch.clock()
+
+    @cute.jit
     def _init_scheduler(self, storage, tidx: Int32):
         """The item pipe (producer warp -> both consumers, ITEM_STAGES slots) and, in clusters, the mbarriers of
         the channel by which CTA 0 hands each ticket to CTA 1. Their init is fenced and synced by the KV pipe's
@@ -486,8 +514,8 @@ class MLADecodeSm90:
                        tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, mSeqlens: cute.Tensor,
                        mSched: cute.Tensor, mOrder: cute.Tensor, q_pipe, kv_pipe, item_pipe, q_state, kv_state,
                        storage, rows: Int32, rank: Int32, cid: Int32, n_clusters: Int32):
-        """The producer warp of a persistent launch: item `cid` first, then tickets from mSched[0] (offset by the
-        clusters launched) until one is past the last item; each item is handed to the consumers, then its Q and
+        """The producer warp of a persistent launch: item `cid` first (dynamic_first: a ticket too), then tickets
+        from mSched[0] (offset by the clusters launched) until one is past the last item; each item is handed to the consumers, then its Q and
         pages are loaded. Items are (request, pair of row tiles), request-major over the requests in mOrder's
         order (longest first); CTA r of a cluster takes row tile pair * cluster + r. The last cluster to finish
         resets the counters for the next launch."""
@@ -496,6 +524,9 @@ class MLADecodeSm90:
         item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ITEM_STAGES)
         chan_phase = Int32(0)
         item = cid
+        if const_expr(self.dynamic_first):
+            item = self._fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase)
+            chan_phase = Int32(1)
         while item < n_items:
             item_state = self._publish_item(item_pipe, item_state, storage, item)
             batch = mOrder[item // pairs]
@@ -545,7 +576,9 @@ class MLADecodeSm90:
         ticket = Int32(0)
         if rank == 0:
             if lane == 0:
-                ticket = cute.arch.atomic_add(mSched.iterator, Int32(1)) + n_clusters
+                ticket = cute.arch.atomic_add(mSched.iterator, Int32(1))
+                if const_expr(not self.dynamic_first):
+                    ticket = ticket + n_clusters
             ticket = cute.arch.shuffle_sync(ticket, 0)
         if const_expr(self.cluster > 1):
             full = storage.chan_mbar.data_ptr()
