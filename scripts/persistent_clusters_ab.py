@@ -1,15 +1,18 @@
 """Diagnosis of the persistent CuTe decode's bimodal times (bench/NOTES.md 53).
 
 1. Timing, interleaved in one process and timed as `mlaserve bench kernels` times them: the default launch (every
-   cluster slot of the GPU, cluster c's first item is item c) against 2 and 6 fewer clusters, against every item
-   drawn from the ticket counter (mla_decode.DYNAMIC_FIRST) and against the ordinary grid; each shape on --sets
-   input sets allocated at different addresses (the bimodality showed from process to process, with the same
-   inputs at other addresses).
-2. Traces (--trace): each item's SM, start and end (globaltimer ns, SM clock) from eager launches
-   (mla_decode.TRACE), summarized per launch: span, how late the clusters start, item times, the SM clock rate,
-   gaps between a cluster's items, and how long SMs sit idle at the end. Raw traces go to $OUT/traces.pt.
+   cluster slot of the GPU, cluster c's first item is item c) against 2 and 6 fewer clusters and against the
+   ordinary grid; each shape on --sets input sets allocated at different addresses (the bimodality showed from
+   process to process, with the same inputs at other addresses).
+2. Traces (--trace): each item's SM, start and end (globaltimer ns, SM clock) and the clocks of its phases from
+   eager launches (mla_decode.TRACE), summarized per launch: span, how late the clusters start, item times, the SM
+   clock rate, gaps between a cluster's items, how long SMs sit idle at the end; then the phases of an item in
+   thousands of SM clocks (medians). Raw traces go to $OUT/traces.pt.
 
-    for i in 1 2; do python scripts/persistent_clusters_ab.py --trace; done
+On the H200 (bench/NOTES.md 54) the bimodal times were the SM clock: 1350-1720 MHz from launch to launch, the
+cycles per item within 2%.
+
+    python scripts/persistent_clusters_ab.py --trace
 """
 
 import argparse
@@ -29,14 +32,16 @@ from mlaserve.bench.shapes import DenseShape  # noqa: E402
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 DEFAULT = cd.persistent_clusters
 SHAPES = ((128, 2, 32768, 64), (128, 1, 32768, 128), (128, 1, 16384, 128), (128, 2, 4096, 128), (128, 1, 4096, 128))
-VARIANTS = ("all", "minus2", "minus6", "dynamic", "grid")
-FIELDS = 5      # mla_decode_kernel.TRACE_FIELDS
+VARIANTS = ("all", "minus2", "minus6", "grid")
+FIELDS = cd.TRACE_FIELDS
+# mla_decode_kernel.T_*: SM, ns start / end, clock start / end, per consumer w at 5 + 4w: Q ready, first own tile
+# done, own tiles done, epilogue start; the producer's hand-over, Q load issued, first page issued
+SM, NS0, NS1, C0, C1, Q, FIRST, LOOP, EPI, PUB, QLOAD, PAGE0 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15
 
 
 def use(variant: str) -> None:
     """Set the module's launch choice (read at launch, so captured with each graph)."""
     cd.PERSISTENT = variant != "grid"
-    cd.DYNAMIC_FIRST = variant == "dynamic"
     fewer = {"minus2": 2, "minus6": 6}.get(variant, 0)
     cd.persistent_clusters = (lambda *a: max(DEFAULT(*a) - fewer, 0) if DEFAULT(*a) else 0) if fewer else DEFAULT
 
@@ -50,7 +55,7 @@ def max_active_clusters(size: int) -> int:
 def summarize(trace: torch.Tensor) -> str:
     """One line about one traced launch: [items x cluster, FIELDS] int32 (SM, t0 ns, t1 ns, c0, c1)."""
     t = trace[2:].view(-1, FIELDS).to(torch.int64)
-    sm, t0, t1, c0, c1 = t.unbind(1)
+    sm, t0, t1, c0, c1 = t[:, :5].unbind(1)
     base = t0.min()
     t0, t1 = (t0 - base) % (1 << 32), (t1 - base) % (1 << 32)     # globaltimer_lo wraps every 4.3 s
     dur = (t1 - t0).double()
@@ -73,19 +78,48 @@ def summarize(trace: torch.Tensor) -> str:
             f"{gap.max() / 1e3:5.1f} us  idle at end med/max {idle_end.median() / 1e3:6.1f}/{idle_end.max() / 1e3:6.1f} us")
 
 
+def phases(trace: torch.Tensor) -> str:
+    """An item's phases (medians over items and CTAs, thousands of SM clocks, relative to the consumers' start)."""
+    t = trace[2:].view(-1, FIELDS).to(torch.int64)
+
+    def since(a: int, b: int) -> float:
+        return ((t[:, a] - t[:, b]) % (1 << 32)).double().median().item() / 1e3 if (t[:, a] != 0).any() else -1.0
+
+    def before(a: int, b: int) -> float:     # how long a came before b (negative: after)
+        d = (t[:, b] - t[:, a]) % (1 << 32)
+        d = torch.where(d >= 1 << 31, d - (1 << 32), d)
+        return d.double().median().item() / 1e3
+    parts = [f"item {since(C1, C0):6.1f}"]
+    for w in (0, 1):
+        o = 4 * w
+        parts.append(f"c{w}: Q {since(Q + o, C0):5.2f} first {since(FIRST + o, Q + o):5.2f} loop "
+                     f"{since(LOOP + o, Q + o):6.1f} tail {since(EPI + o, LOOP + o):5.2f}")
+    parts.append(f"epilogue c0 {since(C1, EPI):5.2f}  producer: hand-over {before(PUB, C0):5.2f} before, Q load "
+                 f"{before(QLOAD, C0):5.2f} before, page 0 {before(PAGE0, C0):5.2f} before the start")
+    return "  ".join(parts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", type=int, default=2, help="input sets per shape, at different addresses")
     ap.add_argument("--trace", action="store_true", help="also trace eager launches (static and dynamic first)")
-    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
+    ap.add_argument("--shapes", default="", help="indices into SHAPES, comma-separated (default: all)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="launches to time, comma-separated")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "SMs",
           torch.cuda.get_device_properties(dev).multi_processor_count, flush=True)
-    print("max active clusters of 1 / 2 CTAs (driver):", max_active_clusters(1), max_active_clusters(2), flush=True)
+    torch.zeros(1, device=dev)     # the primary context, current on this thread: the driver query needs it
+    try:
+        print("max active clusters of 1 / 2 CTAs (driver):", max_active_clusters(1), max_active_clusters(2),
+              flush=True)
+    except RuntimeError as e:
+        print("max active clusters: the driver query failed:", e, flush=True)
     traces = {}
     gen = torch.Generator().manual_seed(1)
-    for b, s_q, s_k, h in SHAPES[:args.shapes]:
+    variants = args.variants.split(",")
+    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    for b, s_q, s_k, h in shapes:
         shape = DenseShape(b, s_q, s_k, h, "bf16")
         for rep in range(args.sets):
             # a pad of random size first, so that each set's pages land at other addresses
@@ -93,7 +127,7 @@ def main() -> int:
             inputs = bench_inputs.make_dense(shape, dev, seed=b + h + rep, rotate_bytes=256 << 20)
             prep = runners.prepare_ops("cutedsl", shape, inputs)
             graphs = {}
-            for v in VARIANTS:
+            for v in variants:
                 use(v)
                 for call in prep.calls:
                     call()
@@ -101,12 +135,12 @@ def main() -> int:
                 graphs[v] = capture_graphs(prep.calls)
             use("all")
             reference = prep.calls[0]()[0]
-            times = {v: [] for v in VARIANTS}
+            times = {v: [] for v in variants}
             for _ in range(3):
                 for v, g in graphs.items():
                     times[v].append(time_us(g, dev))
             differ = []
-            for v in VARIANTS:
+            for v in variants:
                 use(v)
                 if not torch.equal(reference, prep.calls[0]()[0]):
                     differ.append(v)
@@ -115,14 +149,13 @@ def main() -> int:
                   + " us" + (f"  OUTPUTS DIFFER: {differ}" if differ else ""), flush=True)
             if args.trace:
                 cd.TRACE = True
-                for v in ("all", "dynamic"):
-                    use(v)
+                use("all")
+                prep.calls[0]()
+                for i in range(3):
                     prep.calls[0]()
-                    for i in range(3):
-                        prep.calls[0]()
-                        torch.cuda.synchronize()
-                        traces[f"{shape.key} set {rep} {v} {i}"] = cd.last_trace.cpu()
-                        print(f"  trace {v:8s} {i}: {summarize(cd.last_trace.cpu())}", flush=True)
+                    torch.cuda.synchronize()
+                    trace = traces[f"{shape.key} set {rep} {i}"] = cd.last_trace.cpu()
+                    print(f"  trace {i}: {summarize(trace)}\n    {phases(trace)}", flush=True)
                 cd.TRACE = False
                 use("all")
             del graphs, prep, inputs, pad

@@ -65,6 +65,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, other_tile_pv_issue, seesaw_operands, seesaw_tiled_mmas)
@@ -75,7 +76,10 @@ CONSUMER_REGS = 240
 THREADS = 3 * 128
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
 ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
-TRACE_FIELDS = 5      # traced persistent launches, per item and CTA: SM, start and end ns, start and end clock
+# traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
+# clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
+# then the producer's clock at the item's hand-over, its Q load issued and its first page issued
+T_SM, T_NS0, T_NS1, T_C0, T_C1, T_Q, T_FIRST, T_LOOP, T_EPI, T_PUB, T_QLOAD, T_PAGE0 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15
 
 
 def page_split(seqlen: Int32, split: Int32, num_splits: Int32):
@@ -106,7 +110,7 @@ class MLADecodeSm90:
     host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
-                 dynamic_first: bool = False, trace: bool = False):
+                 trace: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -114,14 +118,12 @@ class MLADecodeSm90:
         # one CTA (cluster) per SM that takes work items (request, row tiles) from a global ticket counter until
         # none is left, so that an item's Q and first pages load while the one before finishes (unsplit only)
         self.persistent = persistent
-        # persistent: every item, the first too, drawn from the ticket counter (False: cluster c starts with item c)
-        self.dynamic_first = dynamic_first
-        # persistent: record each item's SM, start and end (globaltimer ns and SM clock) after the counters
+        # persistent: record each item's SM, start and end and its phases' clocks (T_*) after the counters
         self.trace = trace
         if persistent and is_split:
             raise ValueError("persistent launches are for unsplit decode steps")
-        if (dynamic_first or trace) and not persistent:
-            raise ValueError("dynamic_first and trace are options of persistent launches")
+        if trace and not persistent:
+            raise ValueError("trace is an option of persistent launches")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -319,12 +321,17 @@ class MLADecodeSm90:
                     n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
                     ops[8].fill(0.0)     # acc_o
                     if const_expr(self.trace):
-                        self._trace(mPO, item * self.cluster + rank, cw, ctid, 0)
+                        if cw == 0 and ctid == 0:
+                            self._trace(mPO, item * self.cluster + rank, T_SM, cute.arch.smid())
+                            self._trace(mPO, item * self.cluster + rank, T_NS0, cute.arch.globaltimer_lo())
+                            self._trace(mPO, item * self.cluster + rank, T_C0, cute.arch.clock())
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, 0, n_tiles_i, g,
-                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2)
+                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2, item * self.cluster + rank)
                     if const_expr(self.trace):
-                        self._trace(mPO, item * self.cluster + rank, cw, ctid, 1)
+                        if cw == 0 and ctid == 0:
+                            self._trace(mPO, item * self.cluster + rank, T_NS1, cute.arch.globaltimer_lo())
+                            self._trace(mPO, item * self.cluster + rank, T_C1, cute.arch.clock())
                     q_state.advance()
                     g = g + n_tiles_i
                     item, item_state = self._next_item(item_pipe, item_state, storage)
@@ -332,17 +339,24 @@ class MLADecodeSm90:
     @cute.jit
     def _produce_item(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, tKVs: cute.Tensor,
                       tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, q_pipe, kv_pipe, q_state, kv_state,
-                      batch: Int32, m_block: Int32, start: Int32, n_tiles: Int32, rank: Int32):
+                      batch: Int32, m_block: Int32, start: Int32, n_tiles: Int32, rank: Int32, mSched=None,
+                      trace_slot: Int32 = 0):
         """The producer's loads for one (request, row tile, split): Q once, then its pages into the ring."""
         gQ = cute.local_tile(mQ_tma[None, None, batch], (TILE_M, D_QK), (m_block, 0))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))
         q_pipe.producer_acquire(q_state)
+        if const_expr(self.trace):
+            if cute.arch.lane_idx() == 0:
+                self._trace(mSched, trace_slot, T_QLOAD, cute.arch.clock())
         cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
         first_page = start // TILE_N
         for t in cutlass.range(n_tiles, unroll=1):
             page = mBT[batch, first_page + t]
             kv_pipe.producer_acquire(kv_state)
+            if const_expr(self.trace):
+                if cute.arch.lane_idx() == 0 and t == 0:
+                    self._trace(mSched, trace_slot, T_PAGE0, cute.arch.clock())
             if const_expr(self.cluster == 1):
                 cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
                           tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
@@ -358,7 +372,7 @@ class MLADecodeSm90:
                       tiled_mma_pv_rs: cute.TiledMma, sKV: cute.Tensor, sMax: cute.Tensor, sSum: cute.Tensor,
                       mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, cw: Int32, ctid: Int32,
                       seqlen: Int32, start: Int32, n_tiles: Int32, g, batch: Int32, split: Int32, m_block: Int32,
-                      s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32):
+                      s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32, trace_slot: Int32 = 0):
         """One consumer's part of one (request, row tile, split): its tiles of the seesaw, then its half of the
         output. `g` counts the tiles this CTA ran before (persistent launches; 0 otherwise): ring stage and owner
         of the item's tile t are those of tile g + t."""
@@ -376,6 +390,9 @@ class MLADecodeSm90:
         min_vis = first_masked_key(seqlen, s_q, self.causal)
 
         q_pipe.consumer_wait(q_state)
+        if const_expr(self.trace):
+            if ctid == 0:
+                self._trace(mPO, trace_slot, T_Q + 4 * cw, cute.arch.clock())
         first = cw
         if const_expr(self.persistent):
             first = (cw + g) % 2
@@ -435,7 +452,13 @@ class MLADecodeSm90:
             issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
             warpgroup.wait_group(0)
             kv_pipe.consumer_release(own)
+            if const_expr(self.trace):
+                if ctid == 0 and t < first + 2:
+                    self._trace(mPO, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
 
+        if const_expr(self.trace):
+            if ctid == 0:
+                self._trace(mPO, trace_slot, T_LOOP + 4 * cw, cute.arch.clock())
         # the last tile is the other consumer's: its P into this half of O
         if n_tiles > 0 and (g + n_tiles - 1) % 2 != cw:
             other_tile_pv(cw, tile_state(g + n_tiles - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
@@ -443,6 +466,9 @@ class MLADecodeSm90:
         if const_expr(self.persistent):
             # every S of this item is done: the producer may load the next item's Q (during this epilogue)
             q_pipe.consumer_release(q_state)
+        if const_expr(self.trace):
+            if ctid == 0:
+                self._trace(mPO, trace_slot, T_EPI + 4 * cw, cute.arch.clock())
 
         # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
         inv_l = cute.make_rmem_tensor(2, Float32)
@@ -481,18 +507,9 @@ class MLADecodeSm90:
     # -- persistent launches: the work-item scheduler --
 
     @cute.jit
-    def _trace(self, mSched: cute.Tensor, slot: Int32, cw: Int32, ctid: Int32, end: int):
-        """Traced launches: consumer 0's first thread records where and when its CTA's part of an item starts
-        (SM, ns, clock) or ends (ns, clock) in mSched[2 + slot * TRACE_FIELDS ..]."""
-        if cw == 0 and ctid == 0:
-            base = 2 + slot * TRACE_FIELDS
-            if const_expr(end):
-                mSched[base + 2] = cute.arch.globaltimer_lo()
-                mSched[base + 4] = cute.arch.clock()
-            else:
-                mSched[base] = cute.arch.smid()
-                mSched[base + 1] = cute.arch.globaltimer_lo()
-                mSched[base + 3] = cute.arch.clock()
+    def _trace(self, mSched: cute.Tensor, slot: Int32, field: int, value: Int32):
+        """Traced launches: field `field` of item-and-CTA `slot` (TRACE_FIELDS) after the scheduler's counters."""
+        mSched[2 + slot * TRACE_FIELDS + field] = value
 
     @cute.jit
     def _init_scheduler(self, storage, tidx: Int32):
@@ -514,8 +531,8 @@ class MLADecodeSm90:
                        tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, mSeqlens: cute.Tensor,
                        mSched: cute.Tensor, mOrder: cute.Tensor, q_pipe, kv_pipe, item_pipe, q_state, kv_state,
                        storage, rows: Int32, rank: Int32, cid: Int32, n_clusters: Int32):
-        """The producer warp of a persistent launch: item `cid` first (dynamic_first: a ticket too), then tickets
-        from mSched[0] (offset by the clusters launched) until one is past the last item; each item is handed to the consumers, then its Q and
+        """The producer warp of a persistent launch: item `cid` first, then tickets from mSched[0] (offset by the
+        clusters launched) until one is past the last item; each item is handed to the consumers, then its Q and
         pages are loaded. Items are (request, pair of row tiles), request-major over the requests in mOrder's
         order (longest first); CTA r of a cluster takes row tile pair * cluster + r. The last cluster to finish
         resets the counters for the next launch."""
@@ -524,16 +541,17 @@ class MLADecodeSm90:
         item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ITEM_STAGES)
         chan_phase = Int32(0)
         item = cid
-        if const_expr(self.dynamic_first):
-            item = self._fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase)
-            chan_phase = Int32(1)
         while item < n_items:
             item_state = self._publish_item(item_pipe, item_state, storage, item)
+            if const_expr(self.trace):
+                if cute.arch.lane_idx() == 0:
+                    self._trace(mSched, item * self.cluster + rank, T_PUB, cute.arch.clock())
             batch = mOrder[item // pairs]
             m_block = (item % pairs) * self.cluster + rank
             n_tiles = (mSeqlens[batch] + TILE_N - 1) // TILE_N
             kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
-                                          kv_state, batch, m_block, 0, n_tiles, rank)
+                                          kv_state, batch, m_block, 0, n_tiles, rank, mSched,
+                                          item * self.cluster + rank)
             q_state.advance()
             item = self._fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase)
             chan_phase = chan_phase ^ 1
@@ -576,9 +594,7 @@ class MLADecodeSm90:
         ticket = Int32(0)
         if rank == 0:
             if lane == 0:
-                ticket = cute.arch.atomic_add(mSched.iterator, Int32(1))
-                if const_expr(not self.dynamic_first):
-                    ticket = ticket + n_clusters
+                ticket = cute.arch.atomic_add(mSched.iterator, Int32(1)) + n_clusters
             ticket = cute.arch.shuffle_sync(ticket, 0)
         if const_expr(self.cluster > 1):
             full = storage.chan_mbar.data_ptr()
