@@ -32,16 +32,18 @@ from mlaserve.bench.shapes import DenseShape  # noqa: E402
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 DEFAULT = cd.persistent_clusters
 SHAPES = ((128, 2, 32768, 64), (128, 1, 32768, 128), (128, 1, 16384, 128), (128, 2, 4096, 128), (128, 1, 4096, 128))
-VARIANTS = ("all", "minus2", "minus6", "grid")
+VARIANTS = ("all", "minus2", "minus6", "grid", "store4", "grid-store4")
 FIELDS = cd.TRACE_FIELDS
 # mla_decode_kernel.T_*: SM, ns start / end, clock start / end, per consumer w at 5 + 4w: Q ready, first own tile
 # done, own tiles done, epilogue start; the producer's hand-over, Q load issued, first page issued
-SM, NS0, NS1, C0, C1, Q, FIRST, LOOP, EPI, PUB, QLOAD, PAGE0 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15
+SM, NS0, NS1, C0, C1, Q, FIRST, LOOP, EPI, PUB, QLOAD, PAGE0, SUMS = 0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16
 
 
 def use(variant: str) -> None:
-    """Set the module's launch choice (read at launch, so captured with each graph)."""
-    cd.PERSISTENT = variant != "grid"
+    """Set the module's launch choice (read at launch, so captured with each graph); "store4": O stored in the
+    accumulator's 4-byte pairs (mla_decode.STORE_16B off)."""
+    cd.PERSISTENT = not variant.startswith("grid")
+    cd.STORE_16B = not variant.endswith("store4")
     fewer = {"minus2": 2, "minus6": 6}.get(variant, 0)
     cd.persistent_clusters = (lambda *a: max(DEFAULT(*a) - fewer, 0) if DEFAULT(*a) else 0) if fewer else DEFAULT
 
@@ -79,8 +81,14 @@ def summarize(trace: torch.Tensor) -> str:
 
 
 def phases(trace: torch.Tensor) -> str:
-    """An item's phases (medians over items and CTAs, thousands of SM clocks, relative to the consumers' start)."""
+    """An item's phases (medians over the items and CTAs that are not an SM's first, in thousands of SM clocks,
+    relative to the consumers' start)."""
     t = trace[2:].view(-1, FIELDS).to(torch.int64)
+    later = torch.ones(len(t), dtype=torch.bool)
+    for s in t[:, SM].unique():
+        on = (t[:, SM] == s).nonzero().flatten()
+        later[on[((t[on, NS0] - t[:, NS0].min()) % (1 << 32)).argmin()]] = False
+    t = t[later]
 
     def since(a: int, b: int) -> float:
         return ((t[:, a] - t[:, b]) % (1 << 32)).double().median().item() / 1e3 if (t[:, a] != 0).any() else -1.0
@@ -89,12 +97,12 @@ def phases(trace: torch.Tensor) -> str:
         d = (t[:, b] - t[:, a]) % (1 << 32)
         d = torch.where(d >= 1 << 31, d - (1 << 32), d)
         return d.double().median().item() / 1e3
-    parts = [f"item {since(C1, C0):6.1f}"]
+    parts = [f"{len(t)} later items: item {since(C1, C0):6.1f}"]
     for w in (0, 1):
         o = 4 * w
         parts.append(f"c{w}: Q {since(Q + o, C0):5.2f} first {since(FIRST + o, Q + o):5.2f} loop "
                      f"{since(LOOP + o, Q + o):6.1f} tail {since(EPI + o, LOOP + o):5.2f}")
-    parts.append(f"epilogue c0 {since(C1, EPI):5.2f}  producer: hand-over {before(PUB, C0):5.2f} before, Q load "
+    parts.append(f"epilogue c0 {since(C1, EPI):5.2f} (sums {since(SUMS, EPI):5.2f})  producer: hand-over {before(PUB, C0):5.2f} before, Q load "
                  f"{before(QLOAD, C0):5.2f} before, page 0 {before(PAGE0, C0):5.2f} before the start")
     return "  ".join(parts)
 
@@ -149,13 +157,14 @@ def main() -> int:
                   + " us" + (f"  OUTPUTS DIFFER: {differ}" if differ else ""), flush=True)
             if args.trace:
                 cd.TRACE = True
-                use("all")
-                prep.calls[0]()
-                for i in range(3):
+                for v in ("all", "store4"):
+                    use(v)
                     prep.calls[0]()
-                    torch.cuda.synchronize()
-                    trace = traces[f"{shape.key} set {rep} {i}"] = cd.last_trace.cpu()
-                    print(f"  trace {i}: {summarize(trace)}\n    {phases(trace)}", flush=True)
+                    for i in range(2):
+                        prep.calls[0]()
+                        torch.cuda.synchronize()
+                        trace = traces[f"{shape.key} set {rep} {v} {i}"] = cd.last_trace.cpu()
+                        print(f"  trace {v} {i}: {summarize(trace)}\n    {phases(trace)}", flush=True)
                 cd.TRACE = False
                 use("all")
             del graphs, prep, inputs, pad

@@ -83,6 +83,25 @@ def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dt
     assert torch.equal(out, out3) and torch.equal(lse, lse3)
 
 
+@pytest.mark.parametrize("b, s_q, h, dtype", [
+    (150, 1, 128, torch.bfloat16),   # persistent, 2-CTA clusters
+    (8, 2, 64, torch.float16),       # grid
+    (6, 1, 80, torch.bfloat16),      # 80 rows: a full row block, then a partial one (row by row)
+])
+def test_16_byte_stores_equal_the_accumulator_layout_stores(monkeypatch, b, s_q, h, dtype):
+    """O stored 16 bytes at a time after a transpose within each quad (STORE_16B) gives the same bits as the
+    accumulator's own 4-byte pairs, and passes the reference check."""
+    lens = [1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, dtype, seed=b + h)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    monkeypatch.setattr(cd, "STORE_16B", False)
+    out4, lse4 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out4) and torch.equal(lse, lse4)
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])
 def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]

@@ -155,7 +155,10 @@ LONGEST_FIRST = True
 # a diagnostic of persistent launches (scripts/persistent_clusters_ab.py --trace): each item's SM, start and end and
 # the clocks of its phases, left in `last_trace` after each launch (eager calls only)
 TRACE = False
-TRACE_FIELDS = 16     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
+# unsplit 16-bit KV: O stored 16 bytes at a time after a transpose within each quad (False: the accumulator's
+# 4-byte pairs; for A/B runs)
+STORE_16B = True
+TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 
 
@@ -200,7 +203,7 @@ def fp8_narrow_cols(rows: int) -> int:
 
 
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
-            persistent: bool = False, ordered: bool = False, trace: bool = False):
+            persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left. `ordered` (the 64-row FP8 kernel, unsplit):
@@ -212,6 +215,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("ordered",)
     if trace:
         key += ("trace",)
+    if store16:
+        key += ("store16",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -231,7 +236,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
             fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
-                                                 persistent=persistent, trace=trace),
+                                                 persistent=persistent, trace=trace, store16=store16),
                               *_pointers(dtype, (None,) * 8, persistent), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
@@ -309,7 +314,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     cuda = importlib.import_module("cuda.bindings.driver")
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
-                 bool(clusters) and TRACE)
+                 bool(clusters) and TRACE, STORE_16B and not split and not kv_fp8)
     fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8 else _pointers(q.dtype, addresses, bool(clusters))),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(grid_y), cutlass.Float32(softmax_scale * _LOG2E),

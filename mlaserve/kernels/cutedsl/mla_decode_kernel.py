@@ -62,14 +62,14 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, other_tile_pv_issue, seesaw_operands, seesaw_tiled_mmas)
-from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, quad_row_max, scale_rows
+from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, quad_row_max, scale_rows, store_rows_16b
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -78,8 +78,10 @@ BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, bef
 ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
-# then the producer's clock at the item's hand-over, its Q load issued and its first page issued
-T_SM, T_NS0, T_NS1, T_C0, T_C1, T_Q, T_FIRST, T_LOOP, T_EPI, T_PUB, T_QLOAD, T_PAGE0 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15
+# then the producer's clock at the item's hand-over, its Q load issued and its first page issued; consumer 0's clock
+# once the row sums are exchanged
+T_SM, T_NS0, T_NS1, T_C0, T_C1, T_Q, T_FIRST, T_LOOP, T_EPI, T_PUB, T_QLOAD, T_PAGE0, T_SUMS = (
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16)
 
 
 def page_split(seqlen: Int32, split: Int32, num_splits: Int32):
@@ -110,7 +112,7 @@ class MLADecodeSm90:
     host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
-                 trace: bool = False):
+                 trace: bool = False, store16: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -122,6 +124,8 @@ class MLADecodeSm90:
         self.trace = trace
         if persistent and is_split:
             raise ValueError("persistent launches are for unsplit decode steps")
+        # unsplit: O stored in 16-byte stores after a transpose within each quad (split_consumers.store_rows_16b)
+        self.store16 = store16
         if trace and not persistent:
             raise ValueError("trace is an option of persistent launches")
 
@@ -477,24 +481,22 @@ class MLADecodeSm90:
         if const_expr(self.persistent):
             # both consumers have read sSum before either writes the next item's
             cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=CONSUMER_THREADS)
+        if const_expr(self.trace):
+            if ctid == 0 and cw == 0:
+                self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
         scale_rows(acc_o, inv_l)
-        # this consumer's [64, 256] block of the output; a thread's values come in pairs of adjacent
-        # columns, which autovec_copy stores as one 4-byte (bf16) / 8-byte (fp32 partial) access
-        if const_expr(self.is_split):
-            gO = cute.local_tile(mPO[batch, split, None, None], (TILE_M, HALF_V), (m_block, cw))
-            rO = acc_o
+        full = m_block * TILE_M + TILE_M <= rows
+        if const_expr(self.store16 and not self.is_split):
+            if full:
+                row_addr = cute.make_rmem_tensor(2, Int64)
+                for hr in cutlass.range_constexpr(2):
+                    row = Int64(batch * rows + m_block * TILE_M + r0 + 8 * hr)
+                    row_addr[hr] = mOut.iterator.toint() + (row * D_V + cw * HALF_V) * (self.dtype.width // 8)
+                store_rows_16b(acc_o, row_addr, ctid % 4, self.dtype == cutlass.BFloat16)
+            else:
+                self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, False)
         else:
-            gO = cute.local_tile(mOut[batch, None, None], (TILE_M, HALF_V), (m_block, cw))
-            rO = cute.make_fragment_like(acc_o, self.dtype)
-            rO.store(acc_o.load().to(self.dtype))
-        tOgO = tiled_mma_pv.get_slice(ctid).partition_C(gO)
-        if m_block * TILE_M + TILE_M <= rows:
-            cute.autovec_copy(rO, tOgO)
-        else:
-            # the last row block of a request whose s_q * h is not a multiple of 64: row by row
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                if m_block * TILE_M + tOcO[i][0] < rows:
-                    tOgO[i] = rO[i]
+            self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, full)
         if cw == 0 and ctid % 4 == 0:
             for hr in cutlass.range_constexpr(2):
                 r = m_block * TILE_M + r0 + 8 * hr
@@ -503,6 +505,29 @@ class MLADecodeSm90:
                         mPL[batch, split, r] = lse[hr]
                     else:
                         mLse[batch, r] = lse[hr]
+
+    @cute.jit
+    def _store_o(self, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma, tOcO: cute.Tensor, mOut: cute.Tensor,
+                 mPO: cute.Tensor, cw: Int32, ctid: Int32, batch: Int32, split: Int32, m_block: Int32, rows: Int32,
+                 full):
+        """This consumer's normalized [64, 256] block of the output (or fp32 split partial) in the accumulator's
+        layout: a thread's values come in pairs of adjacent columns, which autovec_copy stores as one 4-byte
+        (bf16) / 8-byte (fp32) access; row by row in the last row block of a request whose s_q * h is not a
+        multiple of 64 (`full` False)."""
+        if const_expr(self.is_split):
+            gO = cute.local_tile(mPO[batch, split, None, None], (TILE_M, HALF_V), (m_block, cw))
+            rO = acc_o
+        else:
+            gO = cute.local_tile(mOut[batch, None, None], (TILE_M, HALF_V), (m_block, cw))
+            rO = cute.make_fragment_like(acc_o, self.dtype)
+            rO.store(acc_o.load().to(self.dtype))
+        tOgO = tiled_mma_pv.get_slice(ctid).partition_C(gO)
+        if full:
+            cute.autovec_copy(rO, tOgO)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                if m_block * TILE_M + tOcO[i][0] < rows:
+                    tOgO[i] = rO[i]
 
     # -- persistent launches: the work-item scheduler --
 

@@ -18,8 +18,10 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 
 BAR_MAX = 1           # named barriers (0 is __syncthreads)
 BAR_P = 2
@@ -186,3 +188,69 @@ def store_sparse(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO:
                     mPL[split, token, head] = lse[hr]
                 else:
                     mLse[token, head] = lse[hr]
+
+
+@cute.jit
+def store_rows_16b(acc_o: cute.Tensor, row_addr: cute.Tensor, q: Int32, bf16: cutlass.Constexpr[bool]):
+    """A consumer's normalized [64, 256] O half into global memory in 16-byte stores: value i = v0 + 2 v1 + 4 v2
+    sits in row half v1, column 8 v2 + 2 q + v0 (q = lane % 4), so a quad's four lanes hold the 16 bytes of
+    columns 8 v2 .. 8 v2 + 7 of a row between them, 4 bytes each. For each row half and each 4 column groups
+    4m .. 4m + 3 the quad transposes its 4 x 4 words by shuffles and lane q stores group 4m + q whole.
+    row_addr [2]: the byte addresses of the thread's two rows at its consumer's first column (16-byte
+    aligned). Against a 4-byte store per pair (the accumulator's own layout): a quarter of the store
+    instructions, each writing whole 32-byte sectors."""
+    for hr in cutlass.range_constexpr(2):
+        for m in cutlass.range_constexpr(HALF_V // 32):
+            v = [acc_o[4 * (4 * m + j) + 2 * hr + e] for j in range(4) for e in range(2)]
+            _pack_transpose_store(v, row_addr[hr] + Int64((32 * m + 8 * q) * 2), q, bf16)
+
+
+@dsl_user_op
+def _pack_transpose_store(v: list, addr: Int64, q: Int32, bf16: bool, *, loc=None, ip=None) -> None:
+    """v: 8 fp32, the words w_j = (v[2j], v[2j + 1]) of this lane's column groups 4m + j; packed to bf16x2
+    (fp16x2), transposed across the quad (lane q ends with w_q of lanes 0..3: two shuffle rounds, xor 2
+    then xor 1, each keeping the half of the words whose index bit matches the lane's and swapping the
+    other; selects put them in lane order) and stored as 16 bytes at `addr`."""
+    cvt = "cvt.rn.bf16x2.f32" if bf16 else "cvt.rn.f16x2.f32"
+    llvm.inline_asm(
+        None,
+        [*(Float32(x).ir_value(loc=loc, ip=ip) for x in v), Int64(addr).ir_value(loc=loc, ip=ip),
+         Int32(q).ir_value(loc=loc, ip=ip)],
+        "{\n"
+        ".reg .pred pa, pb;\n"
+        ".reg .b32 w0, w1, w2, w3, t, s0, s1, k0, k1, r0, r1, ka, kb, sa, sb, ra, rb, u0, u1, u2, u3, o0, o1, o2, o3;\n"
+        f"{cvt} w0, $1, $0;\n"
+        f"{cvt} w1, $3, $2;\n"
+        f"{cvt} w2, $5, $4;\n"
+        f"{cvt} w3, $7, $6;\n"
+        "and.b32 t, $9, 2;\n"
+        "setp.ne.b32 pa, t, 0;\n"
+        "and.b32 t, $9, 1;\n"
+        "setp.ne.b32 pb, t, 0;\n"
+        # xor 2: keep the words whose index bit 1 is the lane's (k), send the others (s), receive the partner's r
+        "selp.b32 s0, w0, w2, pa;\n"
+        "selp.b32 s1, w1, w3, pa;\n"
+        "selp.b32 k0, w2, w0, pa;\n"
+        "selp.b32 k1, w3, w1, pa;\n"
+        "shfl.sync.bfly.b32 r0, s0, 2, 31, -1;\n"
+        "shfl.sync.bfly.b32 r1, s1, 2, 31, -1;\n"
+        # xor 1 on index bit 0: ka, kb = word q of lanes q and q ^ 2; ra, rb = of lanes q ^ 1 and q ^ 3
+        "selp.b32 ka, k1, k0, pb;\n"
+        "selp.b32 kb, r1, r0, pb;\n"
+        "selp.b32 sa, k0, k1, pb;\n"
+        "selp.b32 sb, r0, r1, pb;\n"
+        "shfl.sync.bfly.b32 ra, sa, 1, 31, -1;\n"
+        "shfl.sync.bfly.b32 rb, sb, 1, 31, -1;\n"
+        # lane order: the word of lane p sits at p ^ q among (ka, ra, kb, rb)
+        "selp.b32 u0, ra, ka, pb;\n"
+        "selp.b32 u1, ka, ra, pb;\n"
+        "selp.b32 u2, rb, kb, pb;\n"
+        "selp.b32 u3, kb, rb, pb;\n"
+        "selp.b32 o0, u2, u0, pa;\n"
+        "selp.b32 o1, u3, u1, pa;\n"
+        "selp.b32 o2, u0, u2, pa;\n"
+        "selp.b32 o3, u1, u3, pa;\n"
+        "st.global.v4.b32 [$8], {o0, o1, o2, o3};\n"
+        "}\n",
+        "f,f,f,f,f,f,f,f,l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
