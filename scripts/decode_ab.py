@@ -5,11 +5,15 @@ FlashInfer beside them where it is installed. The switches, read at launch (so c
   LONGEST_FIRST  cutedsl: persistent launches taking requests longest first against batch order
   GRID_ORDER     triton: grids of more than one wave taking requests longest first (work_order.grid_order)
                  against batch order
+  STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
+                 4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
+  SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
 
-Shapes: "bB hH [sqN] [skS] [var] [fp8]" (s_q 1, s_k 4096, fixed lengths, bf16 KV unless given).
+Shapes: "bB hH [sqN] [skS] [var] [fp8]" (s_q 1, s_k 4096, fixed lengths, bf16 KV unless given); sparse:
+"sparse bB hH [sqN] [skvS] [fp8]" (decode, top-k 2048 of s_kv 32768 a request unless given).
 """
 
 import argparse
@@ -24,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mlaserve.bench import inputs as bench_inputs  # noqa: E402
 from mlaserve.bench import peers, runners  # noqa: E402
 from mlaserve.bench.limits import capture_graphs, time_us  # noqa: E402
-from mlaserve.bench.shapes import DenseShape  # noqa: E402
+from mlaserve.bench.shapes import DenseShape, SparseShape  # noqa: E402
 
 DEFAULT_SHAPES = ("b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk16384,b128 h128 sq2 sk4096,b128 h128 sq2 sk8192,"
                   "b128 h128 sq2 sk32768,b128 h64 sq2 sk4096,b128 h64 sq2 sk16384,b128 h128 sk4096 var,"
@@ -47,7 +51,24 @@ SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
     "LONGEST_FIRST": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LONGEST_FIRST")),
     "GRID_ORDER": ("triton", _grid_order),
+    "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
+    "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
 }
+
+
+def parse_shape(spec: str):
+    """A DenseShape or SparseShape from the --shapes syntax (module docstring)."""
+    w = spec.split()
+    sparse = w[0] == "sparse"
+    w = w[1:] if sparse else w
+    b, h = int(w[0][1:]), int(w[1][1:])
+    s_q = next((int(x[2:]) for x in w if x.startswith("sq")), 1)
+    kv = "fp8" if "fp8" in w else "bf16"
+    if sparse:
+        s_kv = next((int(x[3:]) for x in w if x.startswith("skv")), 32768)
+        return SparseShape("decode", b, s_q, s_kv, h, kv=kv)
+    s_k = next((int(x[2:]) for x in w if x.startswith("sk")), 4096)
+    return DenseShape(b, s_q, s_k, h, kv, varlen="var" in w)
 
 
 def graphs(prep, switch, on: bool):
@@ -69,12 +90,9 @@ def main() -> int:
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, f"backend {backend}", flush=True)
     for spec in args.shapes.split(","):
-        w = spec.split()
-        s_q = next((int(x[2:]) for x in w if x.startswith("sq")), 1)
-        s_k = next((int(x[2:]) for x in w if x.startswith("sk")), 4096)
-        shape = DenseShape(int(w[0][1:]), s_q, s_k, int(w[1][1:]), "fp8" if "fp8" in w else "bf16",
-                           varlen="var" in w)
-        inputs = bench_inputs.make_dense(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
+        shape = parse_shape(spec)
+        make = bench_inputs.make_sparse if isinstance(shape, SparseShape) else bench_inputs.make_dense
+        inputs = make(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
         prep = runners.prepare_ops(backend, shape, inputs)
         on, off = graphs(prep, switch, True), graphs(prep, switch, False)
         out_on = prep.calls[0]()[0]
@@ -87,10 +105,14 @@ def main() -> int:
             t["off"].append(time_us(off, dev))
         fi = None
         try:
+            if isinstance(shape, SparseShape):
+                raise runners.Unsupported("no sparse FlashInfer peer")
             fprep = peers.prepare("flashinfer", shape, inputs)
             for call in fprep.calls:
                 call()
             fi = time_us(capture_graphs(fprep.calls), dev)
+        except runners.Unsupported:
+            pass
         except Exception as e:   # FlashInfer missing or failing: the A/B stands without it
             print(f"  flashinfer: {type(e).__name__}: {str(e)[:120]}", flush=True)
         on_us, off_us = min(t["on"]), min(t["off"])

@@ -102,6 +102,20 @@ def test_16_byte_stores_equal_the_accumulator_layout_stores(monkeypatch, b, s_q,
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("b, s_q, h", [(8, 1, 128), (5, 1, 80)])
+def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h):
+    """The 64-row FP8 kernel's 16-byte stores: the same bits as its value-by-value stores (80 rows: a full
+    block, then a partial one)."""
+    lens = [1 + (389 * i) % 1500 for i in range(b)]
+    q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
+    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=1)
+    monkeypatch.setattr(cd, "STORE_16B", False)
+    out1, lse1 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_reference(q, packed, table, seqlens))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])
 def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]

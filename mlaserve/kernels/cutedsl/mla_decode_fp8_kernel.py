@@ -51,13 +51,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas)
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas, store_block_16b)
 
 TILE_M = 64           # query rows per CTA: one wgmma M
 TILE_N = 64           # cached tokens per tile: one page
@@ -79,10 +79,11 @@ LOADER_THREADS = 128
 class MLADecodeFP8Sm90:
     """Compiled per (causal, split, ordered); q, out bf16. Launched by mla_decode.py through `__call__`."""
 
-    def __init__(self, causal: bool, is_split: bool, ordered: bool = False):
+    def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False):
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
+        self.store16 = store16    # unsplit: whole 64-row blocks stored 16 bytes at a time (store_block_16b)
         # the grid's request axis runs through an int32 order (work_order.grid_order: longest first), passed in
         # partial out's place (unsplit steps only)
         self.ordered = ordered
@@ -204,15 +205,14 @@ class MLADecodeFP8Sm90:
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
             finish_rows(row_m, row_l, sStat, r0, cw, ctid, inv_l, lse)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                r = m_block * TILE_M + tOcO[i][0]
-                if r < rows:
-                    val = acc_o[i] * inv_l[(i // 2) % 2]
-                    col = cw * HALF_V + tOcO[i][1]
-                    if const_expr(self.is_split):
-                        mPO[batch, split, r, col] = val
-                    else:
-                        mOut[batch, r, col] = val.to(self.dtype)
+            if const_expr(self.store16 and not self.is_split):
+                if m_block * TILE_M + TILE_M <= rows:
+                    store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M), r0,
+                                    cw, ctid, True)
+                else:
+                    self._store_values(acc_o, inv_l, tOcO, mOut, mPO, cw, batch, split, m_block, rows)
+            else:
+                self._store_values(acc_o, inv_l, tOcO, mOut, mPO, cw, batch, split, m_block, rows)
             if cw == 0 and ctid % 4 == 0:
                 for hr in cutlass.range_constexpr(2):
                     r = m_block * TILE_M + r0 + 8 * hr
@@ -221,6 +221,21 @@ class MLADecodeFP8Sm90:
                             mPL[batch, split, r] = lse[hr]
                         else:
                             mLse[batch, r] = lse[hr]
+
+    @cute.jit
+    def _store_values(self, acc_o: cute.Tensor, inv_l: cute.Tensor, tOcO: cute.Tensor, mOut: cute.Tensor,
+                      mPO: cute.Tensor, cw: Int32, batch: Int32, split: Int32, m_block: Int32, rows: Int32):
+        """This consumer's normalized O half value by value (rows past the request's s_q * h left out), into out
+        or the fp32 split partials."""
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            r = m_block * TILE_M + tOcO[i][0]
+            if r < rows:
+                val = acc_o[i] * inv_l[(i // 2) % 2]
+                col = cw * HALF_V + tOcO[i][1]
+                if const_expr(self.is_split):
+                    mPO[batch, split, r, col] = val
+                else:
+                    mOut[batch, r, col] = val.to(self.dtype)
 
 
 def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, ctid, cw, sQ: cute.Tensor,

@@ -69,7 +69,7 @@ from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, other_tile_pv_issue, seesaw_operands, seesaw_tiled_mmas)
-from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, quad_row_max, scale_rows, store_rows_16b
+from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, quad_row_max, scale_rows, store_block_16b
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -484,18 +484,16 @@ class MLADecodeSm90:
         if const_expr(self.trace):
             if ctid == 0 and cw == 0:
                 self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
-        scale_rows(acc_o, inv_l)
         full = m_block * TILE_M + TILE_M <= rows
         if const_expr(self.store16 and not self.is_split):
             if full:
-                row_addr = cute.make_rmem_tensor(2, Int64)
-                for hr in cutlass.range_constexpr(2):
-                    row = Int64(batch * rows + m_block * TILE_M + r0 + 8 * hr)
-                    row_addr[hr] = mOut.iterator.toint() + (row * D_V + cw * HALF_V) * (self.dtype.width // 8)
-                store_rows_16b(acc_o, row_addr, ctid % 4, self.dtype == cutlass.BFloat16)
+                store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M), r0, cw,
+                                ctid, self.dtype == cutlass.BFloat16)
             else:
+                scale_rows(acc_o, inv_l)
                 self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, False)
         else:
+            scale_rows(acc_o, inv_l)
             self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, full)
         if cw == 0 and ctid % 4 == 0:
             for hr in cutlass.range_constexpr(2):

@@ -35,6 +35,9 @@ D_QK = 576
 HEAD_DIM_V = 512
 MAX_SPLITS = 65535     # the split rides on the grid's y axis
 MAX_CTAS = 2 ** 31 - 1  # head blocks x tokens on the grid's x axis
+# unsplit: blocks of 64 heads stored 16 bytes at a time after a transpose within each quad (False: value by value;
+# for A/B runs)
+STORE_16B = True
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -104,10 +107,12 @@ def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | 
     return plan
 
 
-def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = True):
+def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = True, store16: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `seesaw` picks the
-    bf16/fp16 kernel (the FP8 cache has one kernel and ignores it)."""
+    bf16/fp16 kernel (the FP8 cache has one kernel and ignores it); `store16` (unsplit): O in 16-byte stores."""
     key = (dtype, split, fp8) if seesaw or fp8 else (dtype, split, fp8, "first-slice")
+    if store16:
+        key += ("store16",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -117,13 +122,13 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         if fp8:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_fp8_kernel").SparseMLAFP8Sm90(
-                is_split=split)
+                is_split=split, store16=store16)
         elif seesaw:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
-                cute_dtype(dtype), is_split=split)
+                cute_dtype(dtype), is_split=split, store16=store16)
         else:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel").SparseMLASm90(
-                cute_dtype(dtype), is_split=split)
+                cute_dtype(dtype), is_split=split, store16=store16)
         t0 = time.perf_counter()
         fn = cute.compile(kernel, *_pointers(dtype, (None,) * 7, fp8), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
@@ -183,7 +188,7 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
     fp8 = kv_cache.dtype == torch.uint8
-    fn = _kernel(q.dtype, split, fp8)
+    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B and not split)
     fn(*_pointers(q.dtype, addresses, fp8),
        cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
        cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),

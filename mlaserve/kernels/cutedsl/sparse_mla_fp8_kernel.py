@@ -73,9 +73,10 @@ LOADER_THREADS = PRODUCER_THREADS   # 128, gathering 8 threads per row as sparse
 class SparseMLAFP8Sm90:
     """Compiled per split; q, out bf16. Launched by sparse_mla.py through `__call__`."""
 
-    def __init__(self, is_split: bool):
+    def __init__(self, is_split: bool, store16: bool = False):
         self.dtype = cutlass.BFloat16
         self.is_split = is_split
+        self.store16 = store16    # unsplit: blocks of 64 heads stored 16 bytes at a time (store_block_16b)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -198,7 +199,7 @@ class SparseMLAFP8Sm90:
             lse = cute.make_rmem_tensor(2, Float32)
             finish_rows(row_m, row_l, sStat, r0, cw, ctid, inv_l, lse)
             store_sparse(acc_o, inv_l, lse, tOcO, r0, cw, ctid, m_block * TILE_M, h, token, split, mOut, mLse,
-                         mPO, mPL, self.is_split)
+                         mPO, mPL, self.is_split, self.store16)
 
     @cute.jit
     def _gather(self, tidx: Int32, token: Int32, pos0: Int32, end: Int32, mKV: cute.Tensor, mIdx: cute.Tensor,

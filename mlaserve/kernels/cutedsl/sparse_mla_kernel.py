@@ -87,9 +87,10 @@ class SparseMLASm90:
 
     ROW_MAX_COLS = 2      # sMax [64, 2]: each consumer's row maxima of the tile
 
-    def __init__(self, dtype, is_split: bool):
+    def __init__(self, dtype, is_split: bool, store16: bool = False):
         self.dtype = dtype
         self.is_split = is_split
+        self.store16 = store16    # unsplit: blocks of 64 heads stored 16 bytes at a time (store_block_16b)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -196,7 +197,7 @@ class SparseMLASm90:
             lse = cute.make_rmem_tensor(2, Float32)
             finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse)
             store_sparse(acc_o, inv_l, lse, tOcO, r0, cw, ctid, m_block * TILE_M, h, token, split, mOut, mLse,
-                         mPO, mPL, self.is_split)
+                         mPO, mPL, self.is_split, self.store16)
 
     def _smem(self, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
               sP_layout: cute.ComposedLayout):

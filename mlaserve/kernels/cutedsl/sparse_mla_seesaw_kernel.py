@@ -124,7 +124,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
             lse = cute.make_rmem_tensor(2, Float32)
             finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse, barrier_id=BAR_SUM)
             store_sparse(acc_o, inv_l, lse, tOcO, r0, cw, ctid, m_block * TILE_M, h, token, split, mOut, mLse,
-                         mPO, mPL, self.is_split)
+                         mPO, mPL, self.is_split, self.store16)
 
 
 @cute.jit

@@ -27,6 +27,7 @@ BAR_MAX = 1           # named barriers (0 is __syncthreads)
 BAR_P = 2
 CONSUMER_THREADS = 256
 HALF_V = 256          # columns of O per consumer
+BLOCK_ROWS = 64       # query rows (heads) of a CTA
 
 
 def row_of(i: int) -> int:
@@ -168,9 +169,33 @@ def finish_rows(row_m: cute.Tensor, row_l: cute.Tensor, s_sum: cute.Tensor, r0: 
 @cute.jit
 def store_sparse(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, r0: Int32,
                  cw: Int32, ctid: Int32, head0: Int32, h: Int32, token: Int32, split: Int32, mOut: cute.Tensor,
-                 mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, is_split: cutlass.Constexpr[bool]):
+                 mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, is_split: cutlass.Constexpr[bool],
+                 store16: cutlass.Constexpr[bool] = False):
     """The sparse kernels' epilogue: heads head0 + row (< h) of `token`, O_w normalized into out [tokens, h,
-    512] (out's dtype) and lse into [tokens, h], or fp32 into the split partials [splits, tokens, h, ...]."""
+    512] (out's dtype) and lse into [tokens, h], or fp32 into the split partials [splits, tokens, h, ...].
+    `store16`: a block of 64 heads goes out in 16-byte stores (store_block_16b), value by value otherwise."""
+    if const_expr(store16 and not is_split):
+        if head0 + BLOCK_ROWS <= h:
+            store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(token * h + head0), r0, cw, ctid,
+                            mOut.element_type == cutlass.BFloat16)
+        else:
+            _store_values(acc_o, inv_l, tOcO, cw, head0, h, token, split, mOut, mPO, is_split)
+    else:
+        _store_values(acc_o, inv_l, tOcO, cw, head0, h, token, split, mOut, mPO, is_split)
+    if cw == 0 and ctid % 4 == 0:
+        for hr in cutlass.range_constexpr(2):
+            head = head0 + r0 + 8 * hr
+            if head < h:
+                if const_expr(is_split):
+                    mPL[split, token, head] = lse[hr]
+                else:
+                    mLse[token, head] = lse[hr]
+
+
+@cute.jit
+def _store_values(acc_o: cute.Tensor, inv_l: cute.Tensor, tOcO: cute.Tensor, cw: Int32, head0: Int32, h: Int32,
+                  token: Int32, split: Int32, mOut: cute.Tensor, mPO: cute.Tensor, is_split: cutlass.Constexpr[bool]):
+    """store_sparse's values one by one (heads past h left out)."""
     for i in cutlass.range_constexpr(cute.size(acc_o)):
         head = head0 + tOcO[i][0]
         if head < h:
@@ -180,14 +205,20 @@ def store_sparse(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO:
                 mPO[split, token, head, col] = val
             else:
                 mOut[token, head, col] = val.to(mOut.element_type)
-    if cw == 0 and ctid % 4 == 0:
-        for hr in cutlass.range_constexpr(2):
-            head = head0 + r0 + 8 * hr
-            if head < h:
-                if const_expr(is_split):
-                    mPL[split, token, head] = lse[hr]
-                else:
-                    mLse[token, head] = lse[hr]
+
+
+@cute.jit
+def store_block_16b(acc_o: cute.Tensor, inv_l: cute.Tensor, out_base: Int64, first_row: Int64, r0: Int32, cw: Int32,
+                    ctid: Int32, bf16: cutlass.Constexpr[bool]):
+    """A consumer's O half of a whole 64-row block, normalized, into a 16-bit output of 512 columns a row:
+    rows first_row .. first_row + 63 of the output at address out_base (16-byte aligned), in 16-byte stores
+    (store_rows_16b). acc_o is scaled in place."""
+    for i in cutlass.range_constexpr(cute.size(acc_o)):
+        acc_o[i] = acc_o[i] * inv_l[row_of(i)]
+    row_addr = cute.make_rmem_tensor(2, Int64)
+    for hr in cutlass.range_constexpr(2):
+        row_addr[hr] = out_base + ((first_row + r0 + 8 * hr) * (2 * HALF_V) + cw * HALF_V) * 2
+    store_rows_16b(acc_o, row_addr, ctid % 4, bf16)
 
 
 @cute.jit
