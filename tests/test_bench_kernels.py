@@ -37,6 +37,8 @@ def test_quick_run_writes_json_and_png(quick_run, capsys):
     for row in data["rows"]:
         assert row["backend"] == "torch" and row["status"] == "ok", row
         assert row["time_us"] > 0 and row["bytes"] > 0 and row["flops"] > 0
+        # timed in 3 interleaved rounds (the default), the row's time their median
+        assert len(row["time_rounds_us"]) == 3 and row["time_us"] == sorted(row["time_rounds_us"])[1]
         assert row["check"]["ok"]
         assert row["tbps"] == pytest.approx(row["bytes"] / row["time_us"] / 1e6)
     assert any(r["kv"] == "fp8" for r in data["rows"])

@@ -16,6 +16,7 @@ import datetime
 import os
 import platform
 import subprocess
+import statistics
 import sys
 import time
 import traceback
@@ -55,7 +56,10 @@ def parse_args(argv):
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds; shapes not started by then are recorded as skipped")
     p.add_argument("--warmup-ms", type=float, default=10)
-    p.add_argument("--rep-ms", type=float, default=50)
+    p.add_argument("--rep-ms", type=float, default=50,
+                   help="timing per backend and shape, in ms, shared among the rounds")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="time a shape's backends in this many interleaved turns; each reports the median (default 3)")
     p.add_argument("--torch-max-ms", type=float, default=50,
                    help="time the torch reference only where one call is estimated under this (default 50)")
     p.add_argument("--no-limits", action="store_true", help="skip measuring copy bandwidth and matmul rate")
@@ -216,17 +220,41 @@ class Bench:
             if sticky:
                 raise StickyCudaError(str(e)) from e
             return rows
+        timed = {}
         for r in pending:
             bar.set_postfix_str(f"{shape.key} {shape.kv} {r['backend']}")
-            self._run_backend(r, shape, inputs, subset, ref, ref_s)
+            calls = self._run_backend(r, shape, inputs, subset, ref, ref_s)
+            if calls is not None:
+                timed[r["backend"]] = (r, *calls)
+        # the backends timed in turns, so that the GPU's clock (it moves with power and temperature from one
+        # launch to the next: 1350-1720 MHz on the H200 in bench/NOTES.md 54) weighs on all of them alike
+        rounds = max(1, self.args.rounds)
+        for _ in range(rounds):
+            for name, (r, calls, _) in timed.items():
+                if r["status"] == "error":
+                    continue
+                try:
+                    r["time_rounds_us"].append(bench_limits.time_us(calls, self.device, self.args.warmup_ms,
+                                                                    self.args.rep_ms / rounds))
+                except Exception as e:
+                    r.update(status="error", reason=f"timing: {type(e).__name__}: {str(e)[:300]}")
+                    if _is_sticky(e, self.device):
+                        raise StickyCudaError(f"{name} on {shape.key} {shape.kv}: {e}") from e
+        for r, _, extra_calls in timed.values():
+            if r["status"] != "error":
+                r["time_us"] = statistics.median(r["time_rounds_us"])
+                self._time_extras(r, shape, extra_calls)
+        for r in pending:
             bar.update(1)
             self.log(_row_line(r, self.data.get("limits") or {}), bar)
-        del inputs, ref
+        del inputs, ref, timed
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return rows
 
-    def _run_backend(self, row: dict, shape: Shape, inputs, subset, ref, ref_s: float) -> None:
+    def _run_backend(self, row: dict, shape: Shape, inputs, subset, ref, ref_s: float):
+        """Check one backend against the reference and fill its row; -> the calls to time (CUDA-graph replays
+        where they capture) and the parts it times apart, or None where it cannot run or failed."""
         name = row["backend"]
         try:
             if name == "torch" and self.device.type == "cuda":
@@ -234,7 +262,7 @@ class Bench:
                 if est_ms > self.args.torch_max_ms:
                     row["reason"] = (f"torch reference not timed: one call estimated at {est_ms:.0f} ms "
                                      f"(> --torch-max-ms {self.args.torch_max_ms:g}); it validated the others")
-                    return
+                    return None
             prepared = self._prepare(name, shape, inputs)
             result = prepared.calls[0]()
             _sync(self.device)
@@ -246,23 +274,11 @@ class Bench:
                 replays = bench_limits.capture_graphs(prepared.calls)
                 if replays is not None:
                     timed, timing = replays, "cuda-graph"
-            t_us = bench_limits.time_us(timed, self.device, self.args.warmup_ms, self.args.rep_ms)
             nbytes, flops = _counts(shape, inputs, prepared.kv_row_bytes)
-            row.update(status="ok" if chk["ok"] else "invalid", reason=chk.get("reason", ""), time_us=t_us,
-                       bytes=nbytes, flops=flops, check=chk, rotation_sets=len(prepared.calls), note=prepared.note,
-                       timing=timing, extra={})
-            for what, calls in prepared.extra_calls.items():
-                try:
-                    if timing == "cuda-graph":
-                        calls = bench_limits.capture_graphs(calls) or calls   # time parts the way the whole was
-                    row["extra"][f"{what}_us"] = bench_limits.time_us(calls, self.device, self.args.warmup_ms,
-                                                                      self.args.rep_ms)
-                except Exception as e:
-                    if _is_sticky(e, self.device):
-                        raise
-                    row["extra"][f"{what}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if "scores_us" in row["extra"]:
-                row["extra"]["topk_us"] = t_us - row["extra"]["scores_us"]
+            row.update(status="ok" if chk["ok"] else "invalid", reason=chk.get("reason", ""), time_us=None,
+                       time_rounds_us=[], bytes=nbytes, flops=flops, check=chk, rotation_sets=len(prepared.calls),
+                       note=prepared.note, timing=timing, extra={})
+            return timed, prepared.extra_calls
         except runners.Unsupported as e:
             row.update(status="skipped", reason=str(e))
         except Exception as e:
@@ -270,6 +286,22 @@ class Bench:
             traceback.print_exc()
             if _is_sticky(e, self.device):
                 raise StickyCudaError(f"{name} on {shape.key} {shape.kv}: {e}") from e
+        return None
+
+    def _time_extras(self, row: dict, shape: Shape, extra_calls: dict) -> None:
+        """Parts of a backend's call that it times apart (the indexer's scores), timed the way the whole was."""
+        for what, calls in extra_calls.items():
+            try:
+                if row["timing"] == "cuda-graph":
+                    calls = bench_limits.capture_graphs(calls) or calls
+                row["extra"][f"{what}_us"] = bench_limits.time_us(calls, self.device, self.args.warmup_ms,
+                                                                  self.args.rep_ms)
+            except Exception as e:
+                if _is_sticky(e, self.device):
+                    raise StickyCudaError(f"{row['backend']} on {shape.key} {shape.kv}: {e}") from e
+                row["extra"][f"{what}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if "scores_us" in row["extra"]:
+            row["extra"]["topk_us"] = row["time_us"] - row["extra"]["scores_us"]
 
     def run_suite(self, suite: str) -> None:
         shapes = quick_shapes(suite) if self.args.quick else standard_shapes(suite)
