@@ -83,34 +83,36 @@ def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dt
     assert torch.equal(out, out3) and torch.equal(lse, lse3)
 
 
-@pytest.mark.parametrize("b, s_q, h, dtype", [
-    (150, 1, 128, torch.bfloat16),   # persistent, 2-CTA clusters
-    (8, 2, 64, torch.float16),       # grid
-    (6, 1, 80, torch.bfloat16),      # 80 rows: a full row block, then a partial one (row by row)
+@pytest.mark.parametrize("b, s_q, h, dtype, num_splits", [
+    (150, 1, 128, torch.bfloat16, 1),   # persistent, 2-CTA clusters
+    (8, 2, 64, torch.float16, 1),       # grid
+    (6, 1, 80, torch.bfloat16, 1),      # 80 rows: a full row block, then a partial one (row by row)
+    (4, 1, 128, torch.bfloat16, 5),     # fp32 split partials
+    (3, 2, 40, torch.float16, 3),       # 80 rows, split
 ])
-def test_16_byte_stores_equal_the_accumulator_layout_stores(monkeypatch, b, s_q, h, dtype):
-    """O stored 16 bytes at a time after a transpose within each quad (STORE_16B) gives the same bits as the
-    accumulator's own 4-byte pairs, and passes the reference check."""
+def test_16_byte_stores_equal_the_accumulator_layout_stores(monkeypatch, b, s_q, h, dtype, num_splits):
+    """O (or the fp32 split partials) stored 16 bytes at a time after a transpose within each quad (STORE_16B)
+    gives the same bits as the accumulator's own 4- or 8-byte pairs, and passes the reference check."""
     lens = [1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, s_q, h, dtype, seed=b + h)
-    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "STORE_16B", False)
-    out4, lse4 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    out4, lse4 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     assert torch.equal(out, out4) and torch.equal(lse, lse4)
     ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
                                                                     check.SCALE))
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
-@pytest.mark.parametrize("b, s_q, h", [(8, 1, 128), (5, 1, 80)])
-def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h):
-    """The 64-row FP8 kernel's 16-byte stores: the same bits as its value-by-value stores (80 rows: a full
-    block, then a partial one)."""
+@pytest.mark.parametrize("b, s_q, h, num_splits", [(8, 1, 128, 1), (5, 1, 80, 1), (4, 1, 128, 4), (3, 1, 80, 3)])
+def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h, num_splits):
+    """The 64-row FP8 kernel's 16-byte stores (of O or the fp32 split partials): the same bits as its
+    value-by-value stores (80 rows: a full block, then a partial one)."""
     lens = [1 + (389 * i) % 1500 for i in range(b)]
     q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
-    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=1)
+    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "STORE_16B", False)
-    out1, lse1 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=1)
+    out1, lse1 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
     ok, max_err, why = check.compare(out, lse, *check.fp8_reference(q, packed, table, seqlens))
     assert ok, f"max abs err {max_err:.2e}: {why}"

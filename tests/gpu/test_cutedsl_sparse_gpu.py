@@ -41,17 +41,18 @@ def test_ops_dispatch_equals_direct_call():
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("h, dtype", [(128, torch.bfloat16), (80, torch.float16), (128, "fp8"), (80, "fp8")])
-def test_16_byte_stores_equal_value_stores(monkeypatch, h, dtype):
-    """Blocks of 64 heads stored 16 bytes at a time (STORE_16B): the same bits as value-by-value stores (80
-    heads: a full block, then a partial one)."""
+def test_16_byte_stores_equal_value_stores(monkeypatch, h, dtype, num_splits):
+    """Blocks of 64 heads (out, or the fp32 split partials) stored 16 bytes at a time (STORE_16B): the same
+    bits as value-by-value stores (80 heads: a full block, then a partial one)."""
     if dtype == "fp8":
         q, kv, idx = check.make_fp8_case(4, 2, h, 2048, 4096, seed=h)
     else:
         q, kv, idx = check.make_case(4, 2, h, 2048, 4096, dtype, seed=h)
-    out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=1)
+    out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(sp, "STORE_16B", False)
-    out1, lse1 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=1)
+    out1, lse1 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 

@@ -155,8 +155,8 @@ LONGEST_FIRST = True
 # a diagnostic of persistent launches (scripts/persistent_clusters_ab.py --trace): each item's SM, start and end and
 # the clocks of its phases, left in `last_trace` after each launch (eager calls only)
 TRACE = False
-# unsplit 16-bit KV and the 64-row FP8 kernel: O stored 16 bytes at a time after a transpose within each quad
-# (False: the accumulator's 4-byte pairs, or value by value; for A/B runs)
+# 16-bit KV and the 64-row FP8 kernel: O (or the fp32 split partials) stored 16 bytes at a time after a transpose
+# within each quad (False: the accumulator's 4/8-byte pairs, or value by value; for A/B runs)
 STORE_16B = True
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
@@ -314,7 +314,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     cuda = importlib.import_module("cuda.bindings.driver")
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
-                 bool(clusters) and TRACE, STORE_16B and not split and not narrow)
+                 bool(clusters) and TRACE, STORE_16B and not narrow and po.data_ptr() % 16 == 0)
     fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8 else _pointers(q.dtype, addresses, bool(clusters))),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(grid_y), cutlass.Float32(softmax_scale * _LOG2E),

@@ -83,7 +83,7 @@ class MLADecodeFP8Sm90:
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
-        self.store16 = store16    # unsplit: whole 64-row blocks stored 16 bytes at a time (store_block_16b)
+        self.store16 = store16    # whole 64-row blocks (O or split partials) stored 16 bytes at a time
         # the grid's request axis runs through an int32 order (work_order.grid_order: longest first), passed in
         # partial out's place (unsplit steps only)
         self.ordered = ordered
@@ -205,10 +205,15 @@ class MLADecodeFP8Sm90:
             inv_l = cute.make_rmem_tensor(2, Float32)
             lse = cute.make_rmem_tensor(2, Float32)
             finish_rows(row_m, row_l, sStat, r0, cw, ctid, inv_l, lse)
-            if const_expr(self.store16 and not self.is_split):
+            if const_expr(self.store16):
                 if m_block * TILE_M + TILE_M <= rows:
-                    store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M), r0,
-                                    cw, ctid, True)
+                    if const_expr(self.is_split):
+                        store_block_16b(acc_o, inv_l, mPO.iterator.toint(),
+                                        Int64((batch * mPO.shape[1] + split) * rows + m_block * TILE_M), r0, cw, ctid,
+                                        "f32")
+                    else:
+                        store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M),
+                                        r0, cw, ctid, "bf16")
                 else:
                     self._store_values(acc_o, inv_l, tOcO, mOut, mPO, cw, batch, split, m_block, rows)
             else:

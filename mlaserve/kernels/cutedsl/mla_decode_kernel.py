@@ -124,7 +124,7 @@ class MLADecodeSm90:
         self.trace = trace
         if persistent and is_split:
             raise ValueError("persistent launches are for unsplit decode steps")
-        # unsplit: O stored in 16-byte stores after a transpose within each quad (split_consumers.store_rows_16b)
+        # O (or the fp32 split partials) in 16-byte stores after a transpose within each quad (store_block_16b)
         self.store16 = store16
         if trace and not persistent:
             raise ValueError("trace is an option of persistent launches")
@@ -485,10 +485,15 @@ class MLADecodeSm90:
             if ctid == 0 and cw == 0:
                 self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
         full = m_block * TILE_M + TILE_M <= rows
-        if const_expr(self.store16 and not self.is_split):
+        if const_expr(self.store16):
             if full:
-                store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M), r0, cw,
-                                ctid, self.dtype == cutlass.BFloat16)
+                if const_expr(self.is_split):
+                    # partials [b, splits, rows, 512] fp32
+                    store_block_16b(acc_o, inv_l, mPO.iterator.toint(),
+                                    Int64((batch * mPO.shape[1] + split) * rows + m_block * TILE_M), r0, cw, ctid, "f32")
+                else:
+                    store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M), r0,
+                                    cw, ctid, "bf16" if const_expr(self.dtype == cutlass.BFloat16) else "f16")
             else:
                 scale_rows(acc_o, inv_l)
                 self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, False)

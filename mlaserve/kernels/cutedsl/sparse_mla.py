@@ -35,8 +35,8 @@ D_QK = 576
 HEAD_DIM_V = 512
 MAX_SPLITS = 65535     # the split rides on the grid's y axis
 MAX_CTAS = 2 ** 31 - 1  # head blocks x tokens on the grid's x axis
-# unsplit: blocks of 64 heads stored 16 bytes at a time after a transpose within each quad (False: value by value;
-# for A/B runs)
+# blocks of 64 heads (out, or the fp32 split partials) stored 16 bytes at a time after a transpose within each quad
+# (False: value by value; for A/B runs)
 STORE_16B = True
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -188,7 +188,7 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
     fp8 = kv_cache.dtype == torch.uint8
-    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B and not split)
+    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B)
     fn(*_pointers(q.dtype, addresses, fp8),
        cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
        cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),

@@ -76,7 +76,7 @@ class SparseMLAFP8Sm90:
     def __init__(self, is_split: bool, store16: bool = False):
         self.dtype = cutlass.BFloat16
         self.is_split = is_split
-        self.store16 = store16    # unsplit: blocks of 64 heads stored 16 bytes at a time (store_block_16b)
+        self.store16 = store16    # blocks of 64 heads (out or split partials) stored 16 bytes at a time
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,

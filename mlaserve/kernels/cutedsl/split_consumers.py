@@ -174,10 +174,15 @@ def store_sparse(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO:
     """The sparse kernels' epilogue: heads head0 + row (< h) of `token`, O_w normalized into out [tokens, h,
     512] (out's dtype) and lse into [tokens, h], or fp32 into the split partials [splits, tokens, h, ...].
     `store16`: a block of 64 heads goes out in 16-byte stores (store_block_16b), value by value otherwise."""
-    if const_expr(store16 and not is_split):
+    if const_expr(store16):
         if head0 + BLOCK_ROWS <= h:
-            store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(token * h + head0), r0, cw, ctid,
-                            mOut.element_type == cutlass.BFloat16)
+            if const_expr(is_split):
+                # partials [splits, tokens, h, 512] fp32
+                store_block_16b(acc_o, inv_l, mPO.iterator.toint(), Int64((split * mPO.shape[1] + token) * h + head0),
+                                r0, cw, ctid, "f32")
+            else:
+                store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(token * h + head0), r0, cw, ctid,
+                                "bf16" if const_expr(mOut.element_type == cutlass.BFloat16) else "f16")
         else:
             _store_values(acc_o, inv_l, tOcO, cw, head0, h, token, split, mOut, mPO, is_split)
     else:
@@ -209,16 +214,67 @@ def _store_values(acc_o: cute.Tensor, inv_l: cute.Tensor, tOcO: cute.Tensor, cw:
 
 @cute.jit
 def store_block_16b(acc_o: cute.Tensor, inv_l: cute.Tensor, out_base: Int64, first_row: Int64, r0: Int32, cw: Int32,
-                    ctid: Int32, bf16: cutlass.Constexpr[bool]):
-    """A consumer's O half of a whole 64-row block, normalized, into a 16-bit output of 512 columns a row:
-    rows first_row .. first_row + 63 of the output at address out_base (16-byte aligned), in 16-byte stores
-    (store_rows_16b). acc_o is scaled in place."""
+                    ctid: Int32, out_type: cutlass.Constexpr[str]):
+    """A consumer's O half of a whole 64-row block, normalized, into an output of 512 columns a row ("bf16",
+    "f16", or "f32" for split partials): rows first_row .. first_row + 63 of the output at address out_base
+    (16-byte aligned), in 16-byte stores (store_rows_16b, store_rows_16b_f32). acc_o is scaled in place."""
     for i in cutlass.range_constexpr(cute.size(acc_o)):
         acc_o[i] = acc_o[i] * inv_l[row_of(i)]
+    width = 4 if const_expr(out_type == "f32") else 2
     row_addr = cute.make_rmem_tensor(2, Int64)
     for hr in cutlass.range_constexpr(2):
-        row_addr[hr] = out_base + ((first_row + r0 + 8 * hr) * (2 * HALF_V) + cw * HALF_V) * 2
-    store_rows_16b(acc_o, row_addr, ctid % 4, bf16)
+        row_addr[hr] = out_base + ((first_row + r0 + 8 * hr) * (2 * HALF_V) + cw * HALF_V) * width
+    if const_expr(out_type == "f32"):
+        store_rows_16b_f32(acc_o, row_addr, ctid % 4)
+    else:
+        store_rows_16b(acc_o, row_addr, ctid % 4, out_type == "bf16")
+
+
+@cute.jit
+def store_rows_16b_f32(acc_o: cute.Tensor, row_addr: cute.Tensor, q: Int32):
+    """store_rows_16b for fp32 (split partials): the 8 bytes a lane holds per row and column group are half a
+    16-byte store, so lanes q and q ^ 1 swap a group: for each row half and each pair of groups 2n, 2n + 1,
+    lane q keeps group 2n + (q & 1) and stores its columns 4 (q >> 1) .. + 3, its own 8 bytes and its
+    partner's. Half the store instructions of the accumulator's 8-byte pairs."""
+    lane_col = (8 * (q % 2) + 4 * (q // 2)) * 4
+    for hr in cutlass.range_constexpr(2):
+        for n in cutlass.range_constexpr(HALF_V // 16):
+            v = [acc_o[4 * (2 * n + j) + 2 * hr + e] for j in range(2) for e in range(2)]
+            _swap_pairs_store(v, row_addr[hr] + Int64(16 * n * 4 + lane_col), q)
+
+
+@dsl_user_op
+def _swap_pairs_store(v: list, addr: Int64, q: Int32, *, loc=None, ip=None) -> None:
+    """v: 4 fp32, this lane's pairs of groups 2n (v[0:2]) and 2n + 1 (v[2:4]); lane q keeps the pair of group
+    2n + (q & 1), sends the other to lane q ^ 1 and stores its own and the received pair, the even lane's
+    first, as 16 bytes at `addr`."""
+    llvm.inline_asm(
+        None,
+        [*(Float32(x).ir_value(loc=loc, ip=ip) for x in v), Int64(addr).ir_value(loc=loc, ip=ip),
+         Int32(q).ir_value(loc=loc, ip=ip)],
+        "{\n"
+        ".reg .pred pb;\n"
+        ".reg .b32 a0, a1, b0, b1, t, k0, k1, s0, s1, r0, r1, o0, o1, o2, o3;\n"
+        "mov.b32 a0, $0;\n"
+        "mov.b32 a1, $1;\n"
+        "mov.b32 b0, $2;\n"
+        "mov.b32 b1, $3;\n"
+        "and.b32 t, $5, 1;\n"
+        "setp.ne.b32 pb, t, 0;\n"
+        "selp.b32 k0, b0, a0, pb;\n"
+        "selp.b32 k1, b1, a1, pb;\n"
+        "selp.b32 s0, a0, b0, pb;\n"
+        "selp.b32 s1, a1, b1, pb;\n"
+        "shfl.sync.bfly.b32 r0, s0, 1, 31, -1;\n"
+        "shfl.sync.bfly.b32 r1, s1, 1, 31, -1;\n"
+        "selp.b32 o0, r0, k0, pb;\n"
+        "selp.b32 o1, r1, k1, pb;\n"
+        "selp.b32 o2, k0, r0, pb;\n"
+        "selp.b32 o3, k1, r1, pb;\n"
+        "st.global.v4.b32 [$4], {o0, o1, o2, o3};\n"
+        "}\n",
+        "f,f,f,f,l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @cute.jit
