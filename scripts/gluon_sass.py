@@ -3,6 +3,7 @@ shared memory: a kernel change is checked for what ptxas made of it before devic
 
     python scripts/gluon_sass.py fp8mma [--causal 0|1] [--split 0|1] [--out DIR] [--module VARIANT]
     python scripts/gluon_sass.py narrow [--fp8 0|1] [--rows 16|32] ...      # mla_decode_gluon_narrow.py
+    python scripts/gluon_sass.py rows64 [--fp8 0|1] [--store16 0|1] ...    # mla_decode_gluon.py
 """
 
 import argparse
@@ -67,9 +68,27 @@ def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narro
                                               "DQ_WG": dq, "ORDERED": ordered}
 
 
+def rows64(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon", fp8=0, ordered=0, store16=1):
+    import importlib
+    m = importlib.import_module(module)
+    flat = torch.zeros(64 * 4, 576, dtype=torch.bfloat16)
+    d = [mangle_type(TensorDescriptor.from_tensor(flat, [64, 64], gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=16, rank=2)))] * 4
+    if fp8:
+        d = d[:1] + _fp8_descs()
+    sig = {"q_desc": d[0], "kv_desc": d[1], "sc_desc": d[2], "kpe_desc": d[3], "bt_ptr": "*i32",
+           "seqlens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
+           "order_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32",
+           "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
+           "IS_SPLIT": "constexpr", "STAGES": "constexpr", "DTYPE": "constexpr", "KV_FP8": "constexpr",
+           "ORDERED": "constexpr", "STORE_16B": "constexpr"}
+    return m._mla_decode_gluon_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "STAGES": 2, "DTYPE": gl.bfloat16,
+                                             "KV_FP8": fp8, "ORDERED": ordered, "STORE_16B": store16}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["fp8mma", "narrow"])
+    ap.add_argument("kernel", choices=["fp8mma", "narrow", "rows64"])
     ap.add_argument("--causal", type=int, default=1)
     ap.add_argument("--split", type=int, default=0)
     ap.add_argument("--out", default="/tmp/gluon_sass")
@@ -77,13 +96,23 @@ def main():
     ap.add_argument("--fp8", type=int, default=1, help="narrow: FP8 KV (else bf16)")
     ap.add_argument("--rows", type=int, default=16, help="narrow: BLOCK_R, 16 or 32")
     ap.add_argument("--ordered", type=int, default=0, help="the request axis through an order (ORDERED)")
+    ap.add_argument("--store16", type=int, default=1, help="rows64: STORE_16B")
     a = ap.parse_args()
+    num_warps = 4
     if a.kernel == "fp8mma":
         fn, sig, consts = fp8mma(a.causal, a.split, *([a.module] if a.module else []), ordered=a.ordered)
+    elif a.kernel == "rows64":
+        fn, sig, consts = rows64(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8 if a.fp8 != 1 or
+                                 "--fp8" in sys.argv else 0, ordered=a.ordered, store16=a.store16)
+        num_warps = 8
     else:
         fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows,
                                  ordered=a.ordered)
-    k = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    # pointers 16-byte aligned and strides multiples of 16, as Triton specializes them at launch
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+             if ty.startswith("*") or name.startswith("stride_")}
+    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps))
     os.makedirs(a.out, exist_ok=True)
     open(f"{a.out}/k.cubin", "wb").write(k.asm["cubin"])
     open(f"{a.out}/k.ptx", "w").write(k.asm["ptx"])

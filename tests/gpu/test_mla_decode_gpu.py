@@ -155,6 +155,25 @@ def test_matches_reference(b, s_q, s_k, h, kv_kind, num_splits):
     _check(out, lse, q, kv, table, seqlens, rows)
 
 
+@pytest.mark.parametrize("b, s_q, h, kv_kind, num_splits", [
+    (8, 1, 128, "bf16", 1), (6, 2, 40, "bf16", 1), (4, 1, 128, "bf16", 4), (8, 2, 64, "fp8", 1), (3, 1, 80, "fp8", 3)])
+def test_gluon_16_byte_stores_equal_accumulator_layout_stores(monkeypatch, b, s_q, h, kv_kind, num_splits):
+    """The 64-row Gluon kernel's O (or fp32 split partials) converted to 16 bytes a thread before the stores
+    (STORE_16B) gives the same bits as stores from the accumulator's layout (80 rows: a partial second block)."""
+    from mlaserve.kernels.triton import mla_decode_gluon as mg
+    lens = [1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = _case(lens, 64, s_q, h, kv_kind, seed=b + h)
+
+    def call():
+        return ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton",
+                              num_splits=num_splits)
+    out, lse = call()
+    monkeypatch.setattr(mg, "STORE_16B", False)
+    out2, lse2 = call()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    _check(out, lse, q, kv, table, seqlens, list(range(b)))
+
+
 def test_more_requests_than_a_grid_axis_holds():
     """70000 one-token rows (an EXTEND step run per token): b exceeds the 65535 of CUDA's 2nd/3rd grid axes."""
     b, page_size = 70000, 64

@@ -228,7 +228,8 @@ def finish_rows(m_i, l_i, ROW_LAYOUT: gl.constexpr):
 def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
                              pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_btb, stride_pob,
                              stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                             DTYPE: gl.constexpr, KV_FP8: gl.constexpr, ORDERED: gl.constexpr):
+                             DTYPE: gl.constexpr, KV_FP8: gl.constexpr, ORDERED: gl.constexpr,
+                             STORE_16B: gl.constexpr = False):
     """Grid (b * cdiv(ROWS, 64), num_splits); 8 warps + the producer warp. q_desc: q as [b * ROWS, 576] (row =
     token j * H + head), kv_desc: the cache as [pages * 64, 576], boxes [64, 64] (sc_desc, kpe_desc: the same);
     FP8: the cache as [pages * 64, 656] bytes seen as e4m3 ([64, 128] boxes), fp32 scales ([64, 4]) and bf16
@@ -289,21 +290,40 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens
 
     inv_l, lse = finish_rows(m_i, l_i, ROW_O)
     o = acc * inv_l[:, None]
-    cols = gl.arange(0, D_V, COL_O)
     row_ok = rows < ROWS
-    o_mask = row_ok[:, None] & (cols < D_V)[None, :]
     if IS_SPLIT:
-        po_rows = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos + rows * D_V
-        gl.store(po_rows[:, None] + cols[None, :], o, mask=o_mask)
+        po_rows = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos
+        _store_o(o, po_rows, tile * BLOCK_M, ROWS, O_LAYOUT, STORE_16B, 4)
         gl.store(pl_ptr + b * (num_splits * ROWS) + split * ROWS + rows, lse, mask=row_ok)
     else:
-        o_rows = out_ptr + (b.to(gl.int64) * ROWS + rows) * D_V
-        gl.store(o_rows[:, None] + cols[None, :], o.to(DTYPE), mask=o_mask)
+        _store_o(o.to(DTYPE), out_ptr + b.to(gl.int64) * ROWS * D_V, tile * BLOCK_M, ROWS, O_LAYOUT, STORE_16B, 8)
         gl.store(lse_ptr + b * ROWS + rows, lse, mask=row_ok)
+
+
+@gluon.jit
+def _store_o(o, base, row0, ROWS, O_LAYOUT: gl.constexpr, STORE_16B: gl.constexpr, VEC: gl.constexpr):
+    """o [64, 512] (rows row0.. of a request's ROWS; out's dtype or fp32) into base + row * 512 + col, rows past
+    ROWS left out. STORE_16B: first into a layout of VEC contiguous values (16 bytes) a thread, 8 threads along a
+    row (the conversion goes through shared memory), so that every store is 16 bytes and a warp's cover whole
+    lines; otherwise from the accumulator's layout (2 adjacent values a thread and row)."""
+    if STORE_16B:
+        L: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [8, 1], [1, 0])
+        o = gl.convert_layout(o, L)
+    else:
+        L: gl.constexpr = O_LAYOUT
+    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, L))
+    cols = gl.arange(0, D_V, gl.SliceLayout(0, L))
+    mask = (rows < ROWS)[:, None] & (cols < D_V)[None, :]
+    gl.store(base + rows[:, None] * D_V + cols[None, :], o, mask=mask)
 
 
 # bf16 only: the fp16 specializations compile but have not run on a GPU (the tl kernel takes fp16)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16}
+# O (or the fp32 split partials) converted from the wgmma accumulator's layout, where a thread holds 2 adjacent
+# columns of a row, to one of 16 contiguous bytes a thread, before the stores (False: stored from the
+# accumulator's layout; for A/B runs). The CuTe kernels' epilogue took 11.5 k cycles an item that way, 4.0 k with
+# 16-byte stores (bench/NOTES.md 54).
+STORE_16B = True
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
@@ -351,6 +371,6 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         cache_seqlens if order is None else order, softmax_scale * LOG2E.value,
         plan.num_splits, h, s_q, rows, block_table.stride(0), po.stride(0), po.stride(1),
         CAUSAL=causal, IS_SPLIT=split, STAGES=stages, DTYPE=_GL_DTYPES[q.dtype], KV_FP8=kv_fp8,
-        ORDERED=order is not None, num_warps=8)
+        ORDERED=order is not None, STORE_16B=STORE_16B, num_warps=8)
     if split:
         combine_splits(plan, out, lse)
