@@ -50,6 +50,11 @@ a CTA to exit before the next one starts loading). Against the grid on the H200 
 taken longest first (an order computed on the GPU each step, work_order.longest_first), so that the last items
 drawn are the short ones and the SMs finish together when lengths vary.
 
+The epilogue stores a whole 64-row block's O (or fp32 split partials) 16 bytes at a time after a transpose
+within each quad (split_consumers.store_block_16b): from the accumulator's 4-byte column pairs it took 11.5 k
+cycles an item on the H200, 4.0 k this way (items of 64 pages: 210 k -> 202 k; bench/NOTES.md 54, where
+mla_decode.TRACE's per-item phase clocks measured it).
+
 The rows of a CTA are `m_block * 64 + r` of the request's s_q * h query rows (row = token j * h + head).
 Keys each row may see: causal, new token j sees 0 .. seqlen - s_q + j. Only tiles that reach past the
 smallest visible length are masked, and the cache rows past the request's end in its last page are
