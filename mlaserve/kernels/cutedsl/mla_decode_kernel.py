@@ -74,7 +74,8 @@ from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, other_tile_pv_issue, seesaw_operands, seesaw_tiled_mmas)
-from mlaserve.kernels.cutedsl.split_consumers import exp_p, finish_rows, quad_row_max, scale_rows, store_block_16b
+from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, store_dense_block,
+                                                      store_dense_lse)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -492,27 +493,15 @@ class MLADecodeSm90:
         full = m_block * TILE_M + TILE_M <= rows
         if const_expr(self.store16):
             if full:
-                if const_expr(self.is_split):
-                    # partials [b, splits, rows, 512] fp32
-                    store_block_16b(acc_o, inv_l, mPO.iterator.toint(),
-                                    Int64((batch * mPO.shape[1] + split) * rows + m_block * TILE_M), r0, cw, ctid, "f32")
-                else:
-                    store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M), r0,
-                                    cw, ctid, "bf16" if const_expr(self.dtype == cutlass.BFloat16) else "f16")
+                store_dense_block(acc_o, inv_l, mOut, mPO, batch, split, m_block, rows, r0, cw, ctid, self.is_split,
+                                  "bf16" if const_expr(self.dtype == cutlass.BFloat16) else "f16")
             else:
                 scale_rows(acc_o, inv_l)
                 self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, False)
         else:
             scale_rows(acc_o, inv_l)
             self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, full)
-        if cw == 0 and ctid % 4 == 0:
-            for hr in cutlass.range_constexpr(2):
-                r = m_block * TILE_M + r0 + 8 * hr
-                if r < rows:
-                    if const_expr(self.is_split):
-                        mPL[batch, split, r] = lse[hr]
-                    else:
-                        mLse[batch, r] = lse[hr]
+        store_dense_lse(lse, mLse, mPL, batch, split, m_block, rows, r0, cw, ctid, self.is_split)
 
     @cute.jit
     def _store_o(self, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma, tOcO: cute.Tensor, mOut: cute.Tensor,

@@ -213,6 +213,35 @@ def _store_values(acc_o: cute.Tensor, inv_l: cute.Tensor, tOcO: cute.Tensor, cw:
 
 
 @cute.jit
+def store_dense_block(acc_o: cute.Tensor, inv_l: cute.Tensor, mOut: cute.Tensor, mPO: cute.Tensor, batch: Int32,
+                      split: Int32, m_block: Int32, rows: Int32, r0: Int32, cw: Int32, ctid: Int32,
+                      is_split: cutlass.Constexpr[bool], out_type: cutlass.Constexpr[str]):
+    """The dense decode kernels' whole 64-row block m_block of a request: O into out [b, rows, 512] (out_type
+    "bf16" / "f16"), or the fp32 partials [b, splits, rows, 512] of its split, in 16-byte stores."""
+    if const_expr(is_split):
+        store_block_16b(acc_o, inv_l, mPO.iterator.toint(),
+                        Int64((batch * mPO.shape[1] + split) * rows + m_block * BLOCK_ROWS), r0, cw, ctid, "f32")
+    else:
+        store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * BLOCK_ROWS), r0, cw,
+                        ctid, out_type)
+
+
+@cute.jit
+def store_dense_lse(lse: cute.Tensor, mLse: cute.Tensor, mPL: cute.Tensor, batch: Int32, split: Int32,
+                    m_block: Int32, rows: Int32, r0: Int32, cw: Int32, ctid: Int32, is_split: cutlass.Constexpr[bool]):
+    """The dense decode kernels' lse of the thread's two rows of block m_block (one thread a quad of consumer 0),
+    into lse [b, rows] or the split's partial lse [b, splits, rows]; rows past the request's `rows` left out."""
+    if cw == 0 and ctid % 4 == 0:
+        for hr in cutlass.range_constexpr(2):
+            r = m_block * BLOCK_ROWS + r0 + 8 * hr
+            if r < rows:
+                if const_expr(is_split):
+                    mPL[batch, split, r] = lse[hr]
+                else:
+                    mLse[batch, r] = lse[hr]
+
+
+@cute.jit
 def store_block_16b(acc_o: cute.Tensor, inv_l: cute.Tensor, out_base: Int64, first_row: Int64, r0: Int32, cw: Int32,
                     ctid: Int32, out_type: cutlass.Constexpr[str]):
     """A consumer's O half of a whole 64-row block, normalized, into an output of 512 columns a row ("bf16",
