@@ -314,7 +314,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     cuda = importlib.import_module("cuda.bindings.driver")
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
-                 bool(clusters) and TRACE, STORE_16B and not narrow and po.data_ptr() % 16 == 0)
+                 bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0))
     fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8 else _pointers(q.dtype, addresses, bool(clusters))),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(grid_y), cutlass.Float32(softmax_scale * _LOG2E),

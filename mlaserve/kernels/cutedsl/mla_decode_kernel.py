@@ -114,8 +114,8 @@ def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
 
 
 class MLADecodeSm90:
-    """Compiled per (dtype, causal, split, cluster). Launched by mla_decode.py through `__call__` (a cute.jit
-    host function)."""
+    """Compiled per (dtype, causal, split, cluster, persistent, trace, store16). Launched by mla_decode.py through
+    `__call__` (a cute.jit host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False):
