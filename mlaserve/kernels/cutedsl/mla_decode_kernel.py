@@ -330,18 +330,19 @@ class MLADecodeSm90:
                     seqlen_i = mSeqlens[batch_i]
                     n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
                     ops[8].fill(0.0)     # acc_o
+                    slot = item * self.cluster + rank     # this CTA's part of the item (traced launches)
                     if const_expr(self.trace):
                         if cw == 0 and ctid == 0:
-                            self._trace(mPO, item * self.cluster + rank, T_SM, cute.arch.smid())
-                            self._trace(mPO, item * self.cluster + rank, T_NS0, cute.arch.globaltimer_lo())
-                            self._trace(mPO, item * self.cluster + rank, T_C0, cute.arch.clock())
+                            self._trace(mPO, slot, T_SM, cute.arch.smid())
+                            self._trace(mPO, slot, T_NS0, cute.arch.globaltimer_lo())
+                            self._trace(mPO, slot, T_C0, cute.arch.clock())
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, 0, n_tiles_i, g,
-                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2, item * self.cluster + rank)
+                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot)
                     if const_expr(self.trace):
                         if cw == 0 and ctid == 0:
-                            self._trace(mPO, item * self.cluster + rank, T_NS1, cute.arch.globaltimer_lo())
-                            self._trace(mPO, item * self.cluster + rank, T_C1, cute.arch.clock())
+                            self._trace(mPO, slot, T_NS1, cute.arch.globaltimer_lo())
+                            self._trace(mPO, slot, T_C1, cute.arch.clock())
                     q_state.advance()
                     g = g + n_tiles_i
                     item, item_state = self._next_item(item_pipe, item_state, storage)
@@ -565,15 +566,15 @@ class MLADecodeSm90:
         item = cid
         while item < n_items:
             item_state = self._publish_item(item_pipe, item_state, storage, item)
+            slot = item * self.cluster + rank     # this CTA's part of the item (traced launches)
             if const_expr(self.trace):
                 if cute.arch.lane_idx() == 0:
-                    self._trace(mSched, item * self.cluster + rank, T_PUB, cute.arch.clock())
+                    self._trace(mSched, slot, T_PUB, cute.arch.clock())
             batch = mOrder[item // pairs]
             m_block = (item % pairs) * self.cluster + rank
             n_tiles = (mSeqlens[batch] + TILE_N - 1) // TILE_N
             kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
-                                          kv_state, batch, m_block, 0, n_tiles, rank, mSched,
-                                          item * self.cluster + rank)
+                                          kv_state, batch, m_block, 0, n_tiles, rank, mSched, slot)
             q_state.advance()
             item = self._fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase)
             chan_phase = chan_phase ^ 1
