@@ -2,7 +2,10 @@
 kernels` times them (inputs rotating over 256 MB, CUDA-graph replay, L2 cleared before each call, median), with
 FlashInfer beside them where it is installed. The switches, read at launch (so captured with each graph):
   PERSISTENT     cutedsl: persistent launches against the ordinary grid (mla_decode.PERSISTENT)
-  LONGEST_FIRST  cutedsl: persistent launches taking requests longest first against batch order
+  LONGEST_FIRST  cutedsl: persistent launches taking requests longest first against batch order (ticket launches:
+                 with STREAM_K off)
+  STREAM_K       cutedsl: persistent launches on a static balanced schedule, items cut and merged in the kernel,
+                 against whole items drawn from a ticket counter
   GRID_ORDER     triton: grids of more than one wave taking requests longest first (work_order.grid_order)
                  against batch order
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
@@ -51,6 +54,7 @@ def _grid_order(on: bool):
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
     "LONGEST_FIRST": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LONGEST_FIRST")),
+    "STREAM_K": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STREAM_K")),
     "GRID_ORDER": ("triton", _grid_order),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
@@ -99,7 +103,9 @@ def main() -> int:
         on, off = graphs(prep, switch, True), graphs(prep, switch, False)
         out_on = prep.calls[0]()[0]
         switch(False)
-        same = torch.equal(out_on, prep.calls[0]()[0])
+        out_off = prep.calls[0]()[0]
+        same = torch.equal(out_on, out_off)
+        diff = (out_on.float() - out_off.float()).abs().max().item()
         switch(True)
         t = {"on": [], "off": []}
         for _ in range(2):
@@ -120,7 +126,7 @@ def main() -> int:
         on_us, off_us = min(t["on"]), min(t["off"])
         print(f"{spec:28s} {args.switch} on {on_us:8.1f} us  off {off_us:8.1f} us  off/on {off_us / on_us:.3f}x"
               + (f"  flashinfer {fi:8.1f} us  fi/on {fi / on_us:.3f}x" if fi else "")
-              + ("" if same else "  OUTPUTS DIFFER"), flush=True)
+              + ("" if same else f"  OUTPUTS DIFFER (max abs {diff:.2e})"), flush=True)
     return 0
 
 

@@ -214,3 +214,16 @@ def test_combine_merges_split_partials_into_the_reference(monkeypatch):
 ])
 def test_persistent_launch_only_where_items_outnumber_the_sms(b, rows, kv_fp8, split, cluster, want):
     assert cd.persistent_clusters(b, rows, kv_fp8, split, cluster, CPU) == want
+
+
+@pytest.mark.parametrize("items, slots, max_pages, want", [
+    (128, 66, 512, True),     # b 128 h 128 s_q 1 s_k 32768: 0.06 of an item idle = 31 tiles a slot
+    (256, 66, 512, True),     # s_q 2: 0.12 = 62 tiles
+    (128, 66, 64, False),     # s_k 4096: 4 tiles, less than a cut costs
+    (256, 66, 64, False),     # 8 tiles
+    (256, 66, 128, True),     # s_k 8192, s_q 2: 15.5 tiles
+    (132, 66, 4096, False),   # whole rounds: no slot idles
+    (67, 66, 20, True),       # a second round of one item: 0.98 of an item idle
+])
+def test_stream_k_only_where_whole_items_leave_slots_idle(items, slots, max_pages, want):
+    assert cd.stream_k_pays(items, slots, max_pages) is want

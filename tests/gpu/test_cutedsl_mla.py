@@ -60,10 +60,11 @@ def test_every_cluster_size_matches_reference(monkeypatch, cluster, num_splits):
     (40, 2, 128, 4, torch.bfloat16),      # clusters of 4 (forced): the ticket goes to three CTAs
 ])
 def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dtype):
-    """Unsplit steps with more work items than clusters fit the SMs run persistent (tickets from a global
-    counter, requests longest first): ragged lengths, empty and one-token requests among them, NaN beyond each
-    request's end; the counters are back at zero after each launch, and a second launch gives the same bits,
-    as does one taking the requests in batch order."""
+    """Unsplit steps with more work items than clusters fit the SMs run persistent (here with tickets from a
+    global counter, requests longest first; STREAM_K off): ragged lengths, empty and one-token requests among
+    them, NaN beyond each request's end; the counters are back at zero after each launch, and a second launch
+    gives the same bits, as does one taking the requests in batch order."""
+    monkeypatch.setattr(cd, "STREAM_K", False)
     if cluster is not None:
         monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
@@ -81,6 +82,47 @@ def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dt
     monkeypatch.setattr(cd, "LONGEST_FIRST", False)
     out3, lse3 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
     assert torch.equal(out, out3) and torch.equal(lse, lse3)
+
+
+@pytest.mark.parametrize("lens_kind, b, s_q, h, cluster, dtype", [
+    ("ragged", 300, 1, 16, None, torch.bfloat16),   # one CTA a slot, 132 slots; 16 rows: a partial row block
+    ("ragged", 150, 1, 128, None, torch.bfloat16),  # 2-CTA clusters, 66 slots
+    ("ragged", 101, 2, 64, None, torch.float16),
+    ("ragged", 40, 2, 128, 4, torch.bfloat16),      # clusters of 4 (forced), 33 slots
+    ("one long", 140, 1, 16, None, torch.bfloat16),  # a 32768-token request cut into tens of pieces
+    ("one long", 70, 2, 64, None, torch.bfloat16),   # the same in clusters, causal over 2 new tokens
+    ("fixed", 128, 2, 128, None, torch.bfloat16),    # the benchmark's shape: items of 16 pages cut in two
+])
+def test_stream_k_launch_matches_reference(monkeypatch, lens_kind, b, s_q, h, cluster, dtype):
+    """Persistent launches on the balanced static schedule (STREAM_K): items cut where a slot's share ends and
+    their pieces merged by the last to finish. Ragged lengths with empty and one-token requests, one request far
+    longer than the rest (its item cut into pieces across many slots: every merge path), and fixed lengths; NaN
+    beyond each request's end. Against the float64 reference; a second launch gives the same bits (the merge
+    folds the pieces in slot order whichever finished last, and the schedule kernel clears the flags), and
+    whole items from tickets agree with the reference too."""
+    if cluster is not None:
+        monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
+    monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", 0)     # every case on the balanced schedule
+    if lens_kind == "ragged":
+        lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    elif lens_kind == "one long":
+        lens = [32768 if i == 3 else 1 + (37 * i) % 64 for i in range(b)]
+    else:
+        lens = [1024] * b
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, dtype, seed=b + h)
+    c = cd.cluster_size(s_q * h, False)
+    assert cd.persistent_clusters(b, s_q * h, False, False, c, q.device) > 0, "the case must run persistent"
+    assert cd.STREAM_K
+    ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    ok, max_err, why = check.compare(out, lse, *ref)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    monkeypatch.setattr(cd, "STREAM_K", False)
+    out3, lse3 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    ok, max_err, why = check.compare(out3, lse3, *ref)
+    assert ok, f"tickets: max abs err {max_err:.2e}: {why}"
 
 
 @pytest.mark.parametrize("b, s_q, h, dtype, num_splits", [

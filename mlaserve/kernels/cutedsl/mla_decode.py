@@ -30,6 +30,7 @@ from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_po
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
 from mlaserve.kernels.triton.mla_decode_plan import _num_sms, full_wave_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
+from mlaserve.kernels.triton import stream_k
 from mlaserve.kernels.triton.work_order import grid_order, longest_first
 
 TILE_M = 64
@@ -131,6 +132,7 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
         num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, torch.device(device))
     if torch.device(device).type == "cuda":
         scheduler_counters(device)
+        stream_k_buffers(device)
     return _plan_mla_decode(b, s_q, h, head_dim_v, max_pages, page_size, kv_fp8, device,
                             num_splits=num_splits, config=CONFIG, workspace=workspace)
 
@@ -160,6 +162,23 @@ TRACE = False
 STORE_16B = True
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
+# persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
+# items where a share ends and merging their pieces in the kernel (stream_k.balanced_schedule), instead of whole
+# items drawn from a ticket counter (False; traced launches take tickets too)
+STREAM_K = True
+STREAM_K_OVERHEAD = 2  # a piece's fixed cost in KV tiles (the traces: ~7.5 k cycles against ~3.0 k a tile)
+STREAM_K_MIN_TILES = 10  # ... taken where whole items would leave at least this many tiles a slot idle
+
+
+def stream_k_pays(items: int, slots: int, max_pages: int) -> bool:
+    """Whether a persistent launch of `items` work items on `slots` clusters takes the balanced schedule: where
+    whole items, ceil(items / slots) rounds of them, would leave the slots idle for at least STREAM_K_MIN_TILES
+    tiles of the longest request the block table holds (max_pages). A cut costs a piece's fixed cost, the
+    partial's round trip through L2 and the merge, ~12 us a slot on the H200 (bench/NOTES.md 58): interleaved
+    against tickets, b 128 h 128 s_k 32768 s_q 1 / 2: 1.025 / 1.043x faster (0.06 / 0.12 of an item idle, 31 /
+    61 tiles); s_k 4096: 0.956 / 0.993x (4 / 8 tiles)."""
+    idle = -(-items // slots) - items / slots
+    return idle * max_pages >= STREAM_K_MIN_TILES
 
 
 def persistent_clusters(b: int, rows: int, kv_fp8: bool, split: bool, cluster: int, device: torch.device) -> int:
@@ -196,6 +215,27 @@ def scheduler_counters(device: torch.device) -> torch.Tensor:
     return t
 
 
+# stream-K launches' buffers per device: the schedule and its flags (int32), the pieces' fp32 partials
+_stream_k: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def stream_k_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(schedule int32, partials fp32) for any persistent launch on the device: room for as many slots as SMs,
+    their flags (3 a slot and CTA) and two 64-row partials of O and lse a slot and CTA (35 MB on an H200).
+    Allocated on first use; plan_mla_decode asks for them on the host, so that a launch captured in a CUDA
+    graph finds them allocated."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    bufs = _stream_k.get(device)
+    if bufs is None:
+        sms = _num_sms(device)
+        bufs = _stream_k[device] = (
+            torch.zeros(stream_k.schedule_numel(sms, 3 * sms), dtype=torch.int32, device=device),
+            torch.empty(2 * sms * TILE_M * (HEAD_DIM_V + 1), dtype=torch.float32, device=device))
+    return bufs
+
+
 def fp8_narrow_cols(rows: int) -> int:
     """The FP8 kernel with the keys on wgmma's M side (mla_decode_fp8_narrow_kernel.py) takes requests of
     at most 32 query rows, padded to 16 or 32 (wgmma N); 0: the 64-row kernel (mla_decode_fp8_kernel.py)."""
@@ -203,11 +243,12 @@ def fp8_narrow_cols(rows: int) -> int:
 
 
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
-            persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False):
+            persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
+            streamk: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
-    unsplit): one CTA per SM taking work items until none is left. `ordered` (the 64-row FP8 kernel, unsplit):
-    the grid's request axis through an order of the requests."""
+    unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
+    `ordered` (the 64-row FP8 kernel, unsplit): the grid's request axis through an order of the requests."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -217,6 +258,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("trace",)
     if store16:
         key += ("store16",)
+    if streamk:
+        key += ("streamk",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -236,22 +279,29 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
             fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
-                                                 persistent=persistent, trace=trace, store16=store16),
-                              *_pointers(dtype, (None,) * 8, persistent), *scalars)
+                                                 persistent=persistent, trace=trace, store16=store16,
+                                                 streamk=streamk),
+                              *_pointers(dtype, (None,) * 8, persistent, streamk), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
 
 
-def _pointers(dtype: torch.dtype, addresses, persistent: bool = False) -> list:
+def _pointers(dtype: torch.dtype, addresses, persistent: bool = False, streamk: bool = False) -> list:
     """Global-memory pointers for the kernel's 8 tensor arguments (q, kv, block_table, seqlens, out, lse,
     partial out, partial lse) from their addresses (None: a stand-in for compiling). q, kv and out are
     16-byte aligned (TMA needs it; mla_decode checks q and kv), partial out 8-byte (the epilogue stores
     fp32 pairs; mla_decode checks it), the rest 4-byte. Persistent launches pass the scheduler's int32
-    counters in partial out's place and the requests' int32 order in partial lse's."""
+    counters in partial out's place and the requests' int32 order in partial lse's; stream-K launches the
+    pieces' fp32 partials (16-byte aligned) and the int32 schedule."""
     cutlass = importlib.import_module("cutlass")
     elem = cute_dtype(dtype)
-    tail = ((cutlass.Int32, 4), (cutlass.Int32, 4)) if persistent else ((cutlass.Float32, 8), (cutlass.Float32, 4))
+    if streamk:
+        tail = ((cutlass.Float32, 16), (cutlass.Int32, 4))
+    elif persistent:
+        tail = ((cutlass.Int32, 4), (cutlass.Int32, 4))
+    else:
+        tail = ((cutlass.Float32, 8), (cutlass.Float32, 4))
     kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16), (cutlass.Float32, 4), *tail)
     return gmem_pointers(kinds, addresses)
 
@@ -294,7 +344,14 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     po, pl = (plan.partial_out, plan.partial_lse) if split else (lse, lse)  # unused pointers when not split
     grid_y = plan.num_splits
     clusters = persistent_clusters(b, s_q * h, kv_fp8, split, cluster, q.device)
-    if clusters:
+    streamk = (bool(clusters) and STREAM_K and not TRACE
+               and stream_k_pays(b * triton.cdiv(s_q * h, TILE_M) // cluster, clusters, block_table.shape[1]))
+    if streamk:
+        sched, po = stream_k_buffers(q.device)
+        pl = stream_k.balanced_schedule(cache_seqlens, triton.cdiv(s_q * h, TILE_M) // cluster, clusters,
+                                        STREAM_K_OVERHEAD, flags=3 * clusters * cluster, out=sched)
+        grid_y = clusters
+    elif clusters:
         po, grid_y = scheduler_counters(q.device), clusters
         if TRACE:
             global last_trace
@@ -314,8 +371,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     cuda = importlib.import_module("cuda.bindings.driver")
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
-                 bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0))
-    fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8 else _pointers(q.dtype, addresses, bool(clusters))),
+                 bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
+                 streamk)
+    fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8
+         else _pointers(q.dtype, addresses, bool(clusters), streamk)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(grid_y), cutlass.Float32(softmax_scale * _LOG2E),
        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))

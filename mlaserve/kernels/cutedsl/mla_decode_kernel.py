@@ -74,14 +74,16 @@ from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, other_tile_pv_issue, seesaw_operands, seesaw_tiled_mmas)
-from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, store_dense_block,
-                                                      store_dense_lse)
+from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, store_block_16b,
+                                                      store_dense_block, store_dense_lse)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
+_LOG2E = 1.4426950408889634
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
 ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
+BAR_SK = 6            # stream-K pieces: both consumers, around the arrival count and the partials' handover
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
 # then the producer's clock at the item's hand-over, its Q load issued and its first page issued; consumer 0's clock
@@ -118,7 +120,7 @@ class MLADecodeSm90:
     `__call__` (a cute.jit host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
-                 trace: bool = False, store16: bool = False):
+                 trace: bool = False, store16: bool = False, streamk: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -134,6 +136,11 @@ class MLADecodeSm90:
         self.store16 = store16
         if trace and not persistent:
             raise ValueError("trace is an option of persistent launches")
+        # persistent: a static schedule of balanced slots (stream_k.balanced_schedule) instead of tickets, items
+        # cut where a slot's share ends and their pieces merged by the last to finish
+        self.streamk = streamk
+        if streamk and (not persistent or trace):
+            raise ValueError("streamk is a persistent launch's schedule, not traced")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -154,7 +161,10 @@ class MLADecodeSm90:
         rows_dv = cute.assume(rows * D_V, divby=D_V)
         mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows_dv, D_V, 1)))
         mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
-        if const_expr(self.persistent):
+        if const_expr(self.streamk):
+            # the pieces' fp32 partials: [slots, 2, cluster, 64 rows, 512] O, then [slots, 2, cluster, 64] lse
+            mPO = cute.make_tensor(po_ptr, cute.make_layout(num_splits * 2 * self.cluster * TILE_M * (D_V + 1)))
+        elif const_expr(self.persistent):
             # the scheduler's int32 counters (then, traced, TRACE_FIELDS per item and CTA)
             mPO = cute.make_tensor(po_ptr, cute.make_layout(
                 2 + (batch * cute.ceil_div(rows, TILE_M) * TRACE_FIELDS if const_expr(self.trace) else 0)))
@@ -162,7 +172,10 @@ class MLADecodeSm90:
             mPO = cute.make_tensor(po_ptr, cute.make_layout(
                 (batch, num_splits, rows, D_V),
                 stride=(cute.assume(num_splits * rows * D_V, divby=D_V), rows_dv, D_V, 1)))
-        if const_expr(self.persistent):
+        if const_expr(self.streamk):
+            # the schedule (W, I, CONT) and the pieces' flags (arrivals per cut item, partial ready per piece)
+            mPL = cute.make_tensor(pl_ptr, cute.make_layout(3 * num_splits + 2 + 3 * num_splits * self.cluster))
+        elif const_expr(self.persistent):
             mPL = cute.make_tensor(pl_ptr, cute.make_layout(batch))     # the order in which requests are taken
         else:
             mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
@@ -209,6 +222,7 @@ class MLADecodeSm90:
             chan_mbar: cute.struct.MemRange[cutlass.Int64, 2]     # cluster rank 0 -> r: full (in r), empty (in 0)
             item_slot: cute.struct.MemRange[Int32, ITEM_STAGES]
             chan_slot: cute.struct.MemRange[Int32, 2]
+            arrivals: cute.struct.MemRange[Int32, 2]              # stream-K: a piece's arrival count, broadcast
             row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -251,7 +265,7 @@ class MLADecodeSm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         item_pipe = None
-        if const_expr(self.persistent):
+        if const_expr(self.persistent and not self.streamk):
             item_pipe = self._init_scheduler(storage, tidx)
         # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp): both
         # consumers read every tile's V. In a cluster, lane r of each warp arrives on CTA r's barrier: a
@@ -296,6 +310,18 @@ class MLADecodeSm90:
                 if const_expr(not self.persistent):
                     kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
                                                   kv_state, batch, m_block, start, n_tiles, rank)
+                elif const_expr(self.streamk):
+                    # the slot's pieces, as the consumers walk them (_first_piece, _piece)
+                    item, lo, pos, w1, i_end = self._first_piece(mPL, by, num_splits)
+                    while item < i_end:
+                        batch_i, m_block_i, seqlen_i, n_i, hi = self._piece(mSeqlens, item, lo, pos, w1, rank)
+                        kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe,
+                                                      q_state, kv_state, batch_i, m_block_i, lo * TILE_N, hi - lo,
+                                                      rank)
+                        q_state.advance()
+                        pos = pos + hi - lo
+                        item = item + 1
+                        lo = Int32(0)
                 else:
                     kv_state = self._produce_items(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, mSeqlens, mPO, mPL,
                                                    q_pipe, kv_pipe, item_pipe, q_state, kv_state, storage, rows,
@@ -315,6 +341,24 @@ class MLADecodeSm90:
                 self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sKV,
                                    sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen, start, n_tiles, 0, batch,
                                    split, m_block, s_q, h, rows, scale_log2)
+            elif const_expr(self.streamk):
+                rank = 0
+                if const_expr(self.cluster > 1):
+                    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                item, lo, pos, w1, i_end = self._first_piece(mPL, by, num_splits)
+                g = Int32(0)             # tiles of this CTA's earlier pieces (the ring's and the seesaw's count)
+                while item < i_end:
+                    batch_i, m_block_i, seqlen_i, n_i, hi = self._piece(mSeqlens, item, lo, pos, w1, rank)
+                    ops[8].fill(0.0)     # acc_o
+                    self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
+                                       sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, lo * TILE_N, hi - lo,
+                                       g, batch_i, 0, m_block_i, s_q, h, rows, scale_log2, 0,
+                                       (item, lo, hi, n_i, by, num_splits, rank, storage))
+                    q_state.advance()
+                    g = g + hi - lo
+                    pos = pos + hi - lo
+                    item = item + 1
+                    lo = Int32(0)
             else:
                 item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ITEM_STAGES)
                 pairs = cute.ceil_div(rows, TILE_M) // self.cluster
@@ -383,10 +427,11 @@ class MLADecodeSm90:
                       tiled_mma_pv_rs: cute.TiledMma, sKV: cute.Tensor, sMax: cute.Tensor, sSum: cute.Tensor,
                       mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, cw: Int32, ctid: Int32,
                       seqlen: Int32, start: Int32, n_tiles: Int32, g, batch: Int32, split: Int32, m_block: Int32,
-                      s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32, trace_slot: Int32 = 0):
+                      s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32, trace_slot: Int32 = 0, piece=None):
         """One consumer's part of one (request, row tile, split): its tiles of the seesaw, then its half of the
         output. `g` counts the tiles this CTA ran before (persistent launches; 0 otherwise): ring stage and owner
-        of the item's tile t are those of tile g + t."""
+        of the item's tile t are those of tile g + t. `piece` (stream-K launches): (item, first tile, end tile,
+        the item's tiles, slot, slots, cluster rank, smem storage) for _merge_piece."""
         (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
         # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
         # the row), shared with the three other lanes of its quad.
@@ -491,18 +536,22 @@ class MLADecodeSm90:
         if const_expr(self.trace):
             if ctid == 0 and cw == 0:
                 self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
-        full = m_block * TILE_M + TILE_M <= rows
-        if const_expr(self.store16):
-            if full:
-                store_dense_block(acc_o, inv_l, mOut, mPO, batch, split, m_block, rows, r0, cw, ctid, self.is_split,
-                                  "bf16" if const_expr(self.dtype == cutlass.BFloat16) else "f16")
+        owner = Int32(1)         # this CTA stores the rows' output (stream-K: not a piece another one merges)
+        if const_expr(self.streamk):
+            owner = self._merge_piece(acc_o, inv_l, lse, tOcO, mPO, mPL, r0, cw, ctid, piece)
+        if owner != 0:
+            full = m_block * TILE_M + TILE_M <= rows
+            if const_expr(self.store16):
+                if full:
+                    store_dense_block(acc_o, inv_l, mOut, mPO, batch, split, m_block, rows, r0, cw, ctid,
+                                      self.is_split, "bf16" if const_expr(self.dtype == cutlass.BFloat16) else "f16")
+                else:
+                    scale_rows(acc_o, inv_l)
+                    self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, False)
             else:
                 scale_rows(acc_o, inv_l)
-                self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, False)
-        else:
-            scale_rows(acc_o, inv_l)
-            self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, full)
-        store_dense_lse(lse, mLse, mPL, batch, split, m_block, rows, r0, cw, ctid, self.is_split)
+                self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, full)
+            store_dense_lse(lse, mLse, mPL, batch, split, m_block, rows, r0, cw, ctid, self.is_split)
 
     @cute.jit
     def _store_o(self, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma, tOcO: cute.Tensor, mOut: cute.Tensor,
@@ -526,6 +575,143 @@ class MLADecodeSm90:
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 if m_block * TILE_M + tOcO[i][0] < rows:
                     tOgO[i] = rO[i]
+
+    # -- stream-K launches: a static schedule of balanced slots (mlaserve.kernels.triton.stream_k) --
+
+    @cute.jit
+    def _first_piece(self, mSched: cute.Tensor, s: Int32, n_slots: Int32):
+        """Slot s's first piece and bounds -> (item, first tile, its position in the sequence W_s, W_s+1, the
+        first item of the next slot I_s+1). The slot starts inside item I_s - 1 where CONT_s > 0."""
+        item = mSched[n_slots + 1 + s]
+        lo = Int32(0)
+        cont = mSched[2 * n_slots + 2 + s]
+        if cont > 0:
+            item = item - 1
+            lo = cont
+        return item, lo, mSched[s], mSched[s + 1], mSched[n_slots + 2 + s]
+
+    @cute.jit
+    def _piece(self, mSeqlens: cute.Tensor, item: Int32, lo: Int32, pos: Int32, w1: Int32, rank: Int32):
+        """The piece of `item` (row-tile pair item // b of request item % b) from tile `lo` at sequence position
+        `pos` in a slot ending at w1 -> (request, row tile, its length, its tiles, the piece's end tile)."""
+        b = cute.size(mSeqlens)
+        batch = item % b
+        seqlen = mSeqlens[batch]
+        n = (seqlen + TILE_N - 1) // TILE_N
+        return batch, (item // b) * self.cluster + rank, seqlen, n, cutlass.min(n, lo + w1 - pos)
+
+    @cute.jit
+    def _merge_piece(self, acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor,
+                     mWS: cute.Tensor, mSched: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32, piece) -> Int32:
+        """After a piece's row sums: 1 if this CTA is to store the rows' output (acc_o, inv_l, lse then hold the
+        whole item's), 0 if another piece of the item will.
+
+        A whole item stores its own. The pieces of a cut item (first piece at the end of slot s0, the others at
+        the start of slots s0 + 1 ..) count their arrivals on the item's counter; each but the last writes its
+        normalized O and lse into its workspace entry (slot, kind: 0 a continuation, 1 a first piece) and flags
+        it ready; the last folds all pieces in slot order, whatever order they finished in (the first piece from
+        registers when it is the last, as it nearly always is: else its own partial is written and read back
+        like the others), so that the result does not depend on timing. It waits only for pieces that have
+        arrived, which are running their epilogues: no slot waits for a slot that has not started. The counters
+        and flags start at zero: the schedule kernel clears them before each launch."""
+        item, lo, hi, n_tiles, s, n_slots, rank, storage = piece
+        owner = Int32(1)
+        if lo > 0 or hi < n_tiles:
+            # the slots of the item's pieces: s0 .. s_end - 1
+            s0 = s
+            if lo > 0:
+                s0 = s - 1
+                while mSched[2 * n_slots + 2 + s0] > 0 and mSched[n_slots + 1 + s0] - 1 == item:
+                    s0 = s0 - 1
+            s_end = s0 + 1
+            while s_end < n_slots and mSched[2 * n_slots + 2 + s_end] > 0 and mSched[n_slots + 1 + s_end] - 1 == item:
+                s_end = s_end + 1
+            counter = 3 * n_slots + 2 + s0 * self.cluster + rank
+            ready = 3 * n_slots + 2 + n_slots * self.cluster       # + workspace entry
+            arrivals = storage.arrivals.get_tensor(cute.make_layout(2))
+            if cw == 0 and ctid == 0:
+                arrivals[0] = cute.arch.atomic_add(mSched.iterator + counter, Int32(1), sem="acq_rel", scope="gpu")
+            cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
+            last = arrivals[0] == s_end - s0 - 1
+            me = (s * 2) * self.cluster + rank
+            if lo == 0:
+                me = (s * 2 + 1) * self.cluster + rank
+            if not last or lo > 0:
+                self._store_partial(acc_o, inv_l, lse, mWS, me, n_slots, r0, cw, ctid)
+            if not last:
+                # every thread's stores of the partial, then one thread's fence (cumulative over them through the
+                # barrier) and the flag
+                cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
+                if cw == 0 and ctid == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.store(mSched.iterator + ready + me, Int32(1), sem="relaxed", scope="gpu")
+                owner = Int32(0)
+            else:
+                if lo > 0:
+                    # this CTA's own partial, written across the quads: read back after every thread wrote
+                    cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
+                cur = cute.make_rmem_tensor(2, Float32)
+                for j in cutlass.range(s0, s_end, unroll=1):
+                    entry = (j * 2) * self.cluster + rank
+                    if j == s0:
+                        entry = (j * 2 + 1) * self.cluster + rank
+                    if j == s0 and lo == 0:
+                        scale_rows(acc_o, inv_l)
+                        cur[0] = lse[0]
+                        cur[1] = lse[1]
+                    else:
+                        if j != s:
+                            if cw == 0 and ctid == 0:
+                                while cute.arch.load(mSched.iterator + ready + entry, Int32, sem="acquire",
+                                                     scope="gpu") == 0:
+                                    pass
+                            cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
+                        self._fold_partial(acc_o, cur, tOcO, mWS, entry, n_slots, r0, cw, j == s0)
+                for hr in cutlass.range_constexpr(2):
+                    inv_l[hr] = 1.0
+                    lse[hr] = cur[hr]
+        return owner
+
+    @cute.jit
+    def _store_partial(self, acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, mWS: cute.Tensor, entry: Int32,
+                       n_slots: Int32, r0: Int32, cw: Int32, ctid: Int32):
+        """A piece's normalized O (acc_o scaled in place) and lse into workspace entry `entry`: 64 rows of 512 fp32
+        at rows entry * 64 .., the lse after all entries' rows."""
+        store_block_16b(acc_o, inv_l, mWS.iterator.toint(), Int64(entry * TILE_M), r0, cw, ctid, "f32")
+        if cw == 0 and ctid % 4 == 0:
+            lse_base = n_slots * 2 * self.cluster * TILE_M * D_V + entry * TILE_M
+            for hr in cutlass.range_constexpr(2):
+                mWS[lse_base + r0 + 8 * hr] = lse[hr]
+
+    @cute.jit
+    def _fold_partial(self, acc_o: cute.Tensor, cur: cute.Tensor, tOcO: cute.Tensor, mWS: cute.Tensor, entry: Int32,
+                      n_slots: Int32, r0: Int32, cw: Int32, first):
+        """acc_o (normalized, log-sum-exp cur per row) merged with workspace entry `entry` (normalized, its own
+        lse), or replaced by it where `first`. Plain loads, so that they issue together (each as ld.global.cg, a
+        strong load, they went out one after another: ~20 us a merge at the end of every slot on the H200): the
+        entry is this CTA's own (its stores passed through L1) or was flagged ready to an acquire load, whose
+        L1 invalidation (CCTL.IVALL) keeps stale lines of an earlier launch out."""
+        lse_base = n_slots * 2 * self.cluster * TILE_M * D_V + entry * TILE_M
+        ca = cute.make_rmem_tensor(2, Float32)
+        cb = cute.make_rmem_tensor(2, Float32)
+        for hr in cutlass.range_constexpr(2):
+            lp = mWS[lse_base + r0 + 8 * hr]
+            ca[hr] = 0.0
+            cb[hr] = 1.0
+            if not first:
+                mx = cute.arch.fmax(cur[hr], lp)
+                cb[hr] = 0.0
+                if mx != -Float32.inf:
+                    ea = cute.math.exp2((cur[hr] - mx) * _LOG2E, fastmath=False)
+                    eb = cute.math.exp2((lp - mx) * _LOG2E, fastmath=False)
+                    ca[hr] = ea / (ea + eb)
+                    cb[hr] = eb / (ea + eb)
+                    lp = mx + cute.math.log2(ea + eb, fastmath=False) / _LOG2E
+            cur[hr] = lp
+        row_base = entry * TILE_M * D_V + cw * HALF_V
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            x = mWS[row_base + tOcO[i][0] * D_V + tOcO[i][1]]
+            acc_o[i] = acc_o[i] * ca[(i // 2) % 2] + x * cb[(i // 2) % 2]
 
     # -- persistent launches: the work-item scheduler --
 

@@ -1,0 +1,100 @@
+"""The stream-K persistent CuTe decode against the ticket launch (and FlashInfer): the schedule on the GPU against
+its Python reference and the slots' costs, the schedule kernel alone, then CUDA-graph replays of the benchmark's
+inputs timed in interleaved rounds.
+
+    python scripts/stream_k_probe.py --shapes "b128 h128 sq2 sk4096,b128 h128 sk32768" --flashinfer
+"""
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mlaserve.bench import inputs as bench_inputs  # noqa: E402
+from mlaserve.bench import peers, runners  # noqa: E402
+from mlaserve.bench.limits import capture_graphs, time_us  # noqa: E402
+cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+from mlaserve.kernels.triton import stream_k  # noqa: E402
+from scripts.decode_ab import parse_shape  # noqa: E402
+
+
+def interleaved(runs: dict, dev, rounds: int):
+    """Each run's graphs replayed in turn, one call each per round (L2 cleared before each, events around it), the
+    order rotating from round to round: the SM clock, which moves by +-10% from launch to launch, falls alike on
+    all. -> (median us per run, median over rounds of each run's time / stream-k's)."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
+    names = list(runs)
+    times = {k: [] for k in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        events = []
+        for k in order:
+            flush.zero_()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            runs[k][r % len(runs[k])]()
+            e1.record()
+            events.append((k, e0, e1))
+        torch.cuda.synchronize()
+        for k, e0, e1 in events:
+            times[k].append(1e3 * e0.elapsed_time(e1))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = {k: statistics.median(a / b for a, b in zip(times[k], times["stream-k"])) for k in names if k != "stream-k"}
+    return med, ratio
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="b128 h128 sq2 sk4096,b128 h128 sq2 sk32768,b128 h128 sk4096,b128 h128 sk32768,"
+                                        "b128 h64 sq2 sk4096,b128 h128 sq2 sk8192 var,b128 h128 sk4096 var")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--flashinfer", action="store_true", help="FlashInfer in the rounds too")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    for spec in args.shapes.split(","):
+        shape = parse_shape(spec)
+        inputs = bench_inputs.make_dense(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
+        prep = runners.prepare_ops("cutedsl", shape, inputs)
+        rows = shape.s_q * shape.h
+        cluster = cd.cluster_size(rows, False)
+        slots = cd.persistent_clusters(shape.b, rows, False, False, cluster, dev)
+        pairs = -(-rows // 64) // cluster
+        lens = inputs.paging.seqlens
+        got = stream_k.balanced_schedule(lens, pairs, slots, cd.STREAM_K_OVERHEAD).cpu().tolist()
+        want = stream_k.reference_schedule(lens.cpu().tolist(), pairs, slots, cd.STREAM_K_OVERHEAD)
+        tiles = stream_k.item_tiles(lens.cpu().tolist(), pairs)
+        cost = [sum(hi - lo + cd.STREAM_K_OVERHEAD for _, lo, hi in p) for p in stream_k.pieces(want, slots, tiles)]
+        print(f"{spec}: {slots} slots x {cluster} CTAs, {len(tiles)} items; schedule on GPU == reference: "
+              f"{got == want}; slot cost max {max(cost)} min {min(cost)}; whole items "
+              f"{-(-len(tiles) // slots)} rounds", flush=True)
+        t = {}
+        cd.STREAM_K = False
+        tickets = capture_graphs(prep.calls)
+        out_t = prep.calls[0]()[0].float()
+        cd.STREAM_K = True
+        streamk = capture_graphs(prep.calls)
+        out_s = prep.calls[0]()[0].float()
+        sched_only = [lambda: stream_k.balanced_schedule(lens, pairs, slots, cd.STREAM_K_OVERHEAD,
+                                                         flags=3 * slots * cluster)]
+        t["schedule kernel"] = time_us(capture_graphs(sched_only), dev)
+        runs = {"tickets": tickets, "stream-k": streamk}
+        if args.flashinfer:
+            fprep = peers.prepare("flashinfer", shape, inputs)
+            for call in fprep.calls:
+                call()
+            runs["flashinfer"] = capture_graphs(fprep.calls)
+        med, ratio = interleaved(runs, dev, args.rounds)
+        print(f"   schedule kernel {t['schedule kernel']:.1f} us; interleaved medians ({args.rounds} rounds): "
+              + "  ".join(f"{k} {v:.1f} us" for k, v in med.items())
+              + "; median per-round ratio to stream-k: " + "  ".join(f"{k} {v:.3f}x" for k, v in ratio.items())
+              + f"; max |stream-k - tickets| {(out_s - out_t).abs().max().item():.2e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
