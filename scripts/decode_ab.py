@@ -8,6 +8,7 @@ FlashInfer beside them where it is installed. The switches, read at launch (so c
                  against whole items drawn from a ticket counter
   GRID_ORDER     triton: grids of more than one wave taking requests longest first (work_order.grid_order)
                  against batch order
+  EARLY_SUMS     cutedsl: each consumer's row sums published once final against exchanged after both P Vs
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -55,6 +56,7 @@ SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
     "LONGEST_FIRST": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LONGEST_FIRST")),
     "STREAM_K": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STREAM_K")),
+    "EARLY_SUMS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "EARLY_SUMS")),
     "GRID_ORDER": ("triton", _grid_order),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),

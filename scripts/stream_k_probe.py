@@ -19,8 +19,15 @@ from mlaserve.bench import inputs as bench_inputs  # noqa: E402
 from mlaserve.bench import peers, runners  # noqa: E402
 from mlaserve.bench.limits import capture_graphs, time_us  # noqa: E402
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+RULE_TILES = cd.STREAM_K_MIN_TILES
 from mlaserve.kernels.triton import stream_k  # noqa: E402
 from scripts.decode_ab import parse_shape  # noqa: E402
+
+
+def rule(items: int, slots: int, inputs) -> str:
+    """What stream_k_pays picks at the module's threshold (the probe sets it to 0 to time stream-K everywhere)."""
+    idle = -(-items // slots) - items / slots
+    return "stream-k" if idle * inputs.paging.block_table.shape[1] >= RULE_TILES else "tickets"
 
 
 def interleaved(runs: dict, dev, rounds: int):
@@ -50,12 +57,14 @@ def interleaved(runs: dict, dev, rounds: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="b128 h128 sq2 sk4096,b128 h128 sq2 sk32768,b128 h128 sk4096,b128 h128 sk32768,"
+    ap.add_argument("--shapes", default="b128 h128 sq2 sk4096,b128 h128 sq2 sk8192,b128 h128 sq2 sk16384,"
+                                        "b128 h128 sq2 sk32768,b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk32768,"
                                         "b128 h64 sq2 sk4096,b128 h128 sq2 sk8192 var,b128 h128 sk4096 var")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--flashinfer", action="store_true", help="FlashInfer in the rounds too")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    cd.STREAM_K_MIN_TILES = 0     # stream-K timed everywhere; what the rule would take printed
     for spec in args.shapes.split(","):
         shape = parse_shape(spec)
         inputs = bench_inputs.make_dense(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
@@ -71,7 +80,8 @@ def main() -> int:
         cost = [sum(hi - lo + cd.STREAM_K_OVERHEAD for _, lo, hi in p) for p in stream_k.pieces(want, slots, tiles)]
         print(f"{spec}: {slots} slots x {cluster} CTAs, {len(tiles)} items; schedule on GPU == reference: "
               f"{got == want}; slot cost max {max(cost)} min {min(cost)}; whole items "
-              f"{-(-len(tiles) // slots)} rounds", flush=True)
+              f"{-(-len(tiles) // slots)} rounds; the rule (>= {RULE_TILES} tiles) takes "
+              f"{rule(len(tiles), slots, inputs)}", flush=True)
         t = {}
         cd.STREAM_K = False
         tickets = capture_graphs(prep.calls)

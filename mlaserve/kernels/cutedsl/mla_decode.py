@@ -160,6 +160,9 @@ TRACE = False
 # 16-bit KV and the 64-row FP8 kernel: O (or the fp32 split partials) stored 16 bytes at a time after a transpose
 # within each quad (False: the accumulator's 4/8-byte pairs, or value by value; for A/B runs)
 STORE_16B = True
+# 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
+# normalizes and stores while the other still adds that tile's P V (False: both exchange them after; for A/B runs)
+EARLY_SUMS = True
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -244,7 +247,7 @@ def fp8_narrow_cols(rows: int) -> int:
 
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
-            streamk: bool = False):
+            streamk: bool = False, early_sums: bool = True):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
@@ -260,6 +263,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("store16",)
     if streamk:
         key += ("streamk",)
+    if not early_sums:
+        key += ("late-sums",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -280,7 +285,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
             fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
                                                  persistent=persistent, trace=trace, store16=store16,
-                                                 streamk=streamk),
+                                                 streamk=streamk, early_sums=early_sums),
                               *_pointers(dtype, (None,) * 8, persistent, streamk), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
@@ -372,7 +377,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
-                 streamk)
+                 streamk, EARLY_SUMS or kv_fp8)
     fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),

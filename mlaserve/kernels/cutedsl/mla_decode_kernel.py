@@ -62,6 +62,8 @@ zeroed in smem before P V (a masked P of 0 times a NaN left in an unused slot wo
 """
 
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -84,6 +86,7 @@ _LOG2E = 1.4426950408889634
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
 ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
 BAR_SK = 6            # stream-K pieces: both consumers, around the arrival count and the partials' handover
+BAR_SUM_W = 7         # + w: consumer w's row sums published (publish_row_sums)
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
 # then the producer's clock at the item's hand-over, its Q load issued and its first page issued; consumer 0's clock
@@ -115,12 +118,43 @@ def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
     return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
 
 
+@cute.jit
+def publish_row_sums(row_l: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32, parity: Int32):
+    """A consumer's final row sums (of its own tiles' P, at the final max): summed over the quad into
+    sSum[row, cw, parity], then an arrival on its BAR_SUM_W barrier, which the other consumer waits on
+    (take_row_sums). Published as soon as they are final, so that the consumer that ran the last tile
+    normalizes and stores while the other still adds that tile's P V (2-3 k cycles an item of the H200's
+    traces). The buffer alternates by item (`parity`): the other consumer reads this item's sums before it
+    publishes the next item's, which this one waits for before publishing the one after."""
+    for hr in cutlass.range_constexpr(2):
+        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
+        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
+        if ctid % 4 == 0:
+            sSum[r0 + 8 * hr, cw, parity] = row_l[hr]
+    cute.arch.barrier_arrive(barrier_id=BAR_SUM_W + cw, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def take_row_sums(row_m: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, parity: Int32, inv_l: cute.Tensor,
+                  lse: cute.Tensor):
+    """After both consumers published (publish_row_sums): inv_l = 1 / the whole row sum and lse (natural log; 0
+    and -inf for a row that saw no key)."""
+    cute.arch.barrier(barrier_id=BAR_SUM_W + 1 - cw, number_of_threads=CONSUMER_THREADS)
+    for hr in cutlass.range_constexpr(2):
+        total = sSum[r0 + 8 * hr, 0, parity] + sSum[r0 + 8 * hr, 1, parity]
+        inv_l[hr] = 0.0
+        lse[hr] = -Float32.inf
+        if total > 0.0:
+            inv_l[hr] = 1.0 / total
+            lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+
+
 class MLADecodeSm90:
     """Compiled per (dtype, causal, split, cluster, persistent, trace, store16). Launched by mla_decode.py through
     `__call__` (a cute.jit host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
-                 trace: bool = False, store16: bool = False, streamk: bool = False):
+                 trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -139,6 +173,8 @@ class MLADecodeSm90:
         # persistent: a static schedule of balanced slots (stream_k.balanced_schedule) instead of tickets, items
         # cut where a slot's share ends and their pieces merged by the last to finish
         self.streamk = streamk
+        # each consumer's row sums published once final (publish_row_sums), not exchanged after both P Vs
+        self.early_sums = early_sums
         if streamk and (not persistent or trace):
             raise ValueError("streamk is a persistent launch's schedule, not traced")
 
@@ -209,7 +245,7 @@ class MLADecodeSm90:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             row_max: cute.struct.MemRange[Float32, TILE_M]
-            row_sum: cute.struct.MemRange[Float32, TILE_M * 2]
+            row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
@@ -224,7 +260,7 @@ class MLADecodeSm90:
             chan_slot: cute.struct.MemRange[Int32, 2]
             arrivals: cute.struct.MemRange[Int32, 2]              # stream-K: a piece's arrival count, broadcast
             row_max: cute.struct.MemRange[Float32, TILE_M]
-            row_sum: cute.struct.MemRange[Float32, TILE_M * 2]
+            row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
@@ -285,7 +321,7 @@ class MLADecodeSm90:
         sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
-        sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2)))
+        sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2, 2)))     # [row, consumer, item parity]
         if const_expr(not self.persistent):
             seqlen = mSeqlens[batch]
             start, n_tiles = page_split(seqlen, split, num_splits)
@@ -500,6 +536,10 @@ class MLADecodeSm90:
             # generic-proxy smem writes (P, zeroed V) become visible to wgmma's async proxy
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
+            if const_expr(self.early_sums):
+                if t == n_tiles - 1:
+                    # this consumer's row sums are final (the last tile is its own): out to the other one now
+                    publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
             if tok0 + TILE_N > seqlen:
                 # this consumer's own P V below reads V rows its other threads zeroed
                 cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
@@ -515,10 +555,22 @@ class MLADecodeSm90:
         if const_expr(self.trace):
             if ctid == 0:
                 self._trace(mPO, trace_slot, T_LOOP + 4 * cw, cute.arch.clock())
-        # the last tile is the other consumer's: its P into this half of O
+        # the last tile is the other consumer's: its P into this half of O, this consumer's row sums (final once
+        # rescaled to that tile's max) published while the wgmma runs
         if n_tiles > 0 and (g + n_tiles - 1) % 2 != cw:
-            other_tile_pv(cw, tile_state(g + n_tiles - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0,
-                          row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
+            last = tile_state(g + n_tiles - 1)
+            if const_expr(self.early_sums):
+                other_tile_pv_issue(cw, last, kv_pipe.consumer_wait, sMax, r0, row_m, row_l, acc_o, tiled_mma_pv,
+                                    tOrPs, tOrV)
+                publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(last)
+            else:
+                other_tile_pv(cw, last, kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0, row_m, row_l,
+                              acc_o, tiled_mma_pv, tOrPs, tOrV)
+        if const_expr(self.early_sums):
+            if n_tiles == 0:
+                publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
         if const_expr(self.persistent):
             # every S of this item is done: the producer may load the next item's Q (during this epilogue)
             q_pipe.consumer_release(q_state)
@@ -526,13 +578,16 @@ class MLADecodeSm90:
             if ctid == 0:
                 self._trace(mPO, trace_slot, T_EPI + 4 * cw, cute.arch.clock())
 
-        # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
+        # -- epilogue: whole row sums (both consumers', at the final max), normalize, store --
         inv_l = cute.make_rmem_tensor(2, Float32)
         lse = cute.make_rmem_tensor(2, Float32)
-        finish_rows(row_m, row_l, sSum, r0, cw, ctid, inv_l, lse, barrier_id=BAR_SUM)
-        if const_expr(self.persistent):
-            # both consumers have read sSum before either writes the next item's
-            cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=CONSUMER_THREADS)
+        if const_expr(self.early_sums):
+            take_row_sums(row_m, sSum, r0, cw, q_state.phase, inv_l, lse)
+        else:
+            finish_rows(row_m, row_l, sSum[None, None, 0], r0, cw, ctid, inv_l, lse, barrier_id=BAR_SUM)
+            if const_expr(self.persistent):
+                # both consumers have read sSum before either writes the next item's
+                cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=CONSUMER_THREADS)
         if const_expr(self.trace):
             if ctid == 0 and cw == 0:
                 self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
