@@ -35,7 +35,9 @@ Warp roles (384 threads, three warpgroups):
   One P buffer and one max buffer suffice: P(t) is read only by the other consumer (step b), which
   writes P(t+1) only after its step b waited for that read; m(t) likewise.
   Row sums: each consumer keeps the sums of its own tiles' P, scaled like its O half; at the end both
-  are at the final max and are added through smem.
+  are at the final max and are added through smem, each consumer publishing its own as soon as they are final
+  (publish_row_sums: the owner of the last tile right after its softmax, the other once rescaled to that tile's
+  max, while its last P V runs), so that the first normalizes and stores while the other finishes.
 
 Persistent launches (mla_decode.persistent_clusters: unsplit steps with more work items than clusters fit
 the SMs): one CTA, or cluster, per SM, each taking work items (a request's row tiles that share page loads)
@@ -49,6 +51,16 @@ a CTA to exit before the next one starts loading). Against the grid on the H200 
 2.3% faster in the geometric mean of 13 shapes of 128-256 rows a request, from +9.6% to -3.6%. Requests are
 taken longest first (an order computed on the GPU each step, work_order.longest_first), so that the last items
 drawn are the short ones and the SMs finish together when lengths vary.
+
+Stream-K persistent launches (mla_decode.stream_k_pays: where whole items would leave the clusters idle through a
+last round, e.g. b 128 h 128 s_q 2 = 256 items on 66 clusters, 3.88 rounds run as 4): a static schedule
+(mlaserve.kernels.triton.stream_k, computed on the GPU each call) gives every cluster the same cost of KV tiles,
+cutting items where a share ends. Producer and consumers walk their slot's pieces (_first_piece, _piece) with no
+tickets; the pieces of a cut item count their arrivals, each but the last writes its normalized O and lse to a
+workspace entry and flags it, and the last folds them all in slot order (_merge_piece), so that the bits do not
+depend on which finished first. H200, interleaved against tickets: s_k 32768 s_q 1 / 2 1.025 / 1.043x faster;
+s_k 4096 0.956 / 0.993x, where a cut (a piece's fixed cost, the partial's round trip, the merge) costs more than
+the idle round's tiles (bench/NOTES.md 58).
 
 The epilogue stores a whole 64-row block's O (or fp32 split partials) 16 bytes at a time after a transpose
 within each quad (split_consumers.store_block_16b): from the accumulator's 4-byte column pairs it took 11.5 k
@@ -150,8 +162,8 @@ def take_row_sums(row_m: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, p
 
 
 class MLADecodeSm90:
-    """Compiled per (dtype, causal, split, cluster, persistent, trace, store16). Launched by mla_decode.py through
-    `__call__` (a cute.jit host function)."""
+    """Compiled per (dtype, causal, split, cluster, persistent, trace, store16, streamk, early_sums). Launched by
+    mla_decode.py through `__call__` (a cute.jit host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True):
