@@ -54,9 +54,11 @@ def _case(lens, page_size, s_q, h, kv_kind, seed):
 def _check(out, lse, q, kv, table, seqlens, rows):
     """Compares requests `rows` of a kernel result (lse may be None) with the reference, computed for those only.
 
-    Requests of >= 256 keys (outputs average many rows) must meet FlashMLA's bounds. Shorter ones may
-    have outputs of magnitude ~1 where rounding P (and FP8-dequantized rows) to bf16 before P·V moves
-    an element by up to 2^-8 of the output's magnitude: they get that much absolute slack.
+    FlashMLA's bounds, with absolute slack for rounding P (and FP8-dequantized rows) to bf16 before P·V: that
+    moves an element by up to ~2^-8 of the output's magnitude, which a peaked softmax makes ~1 (short requests,
+    and long ones whose scores single out a few keys: a 446-key h128 request once exceeded the bare bound,
+    bench/NOTES.md 56), so each request gets 2^-7 (FP8 2^-6) of its largest output as slack, whatever its
+    length. Requests of >= 256 keys must also meet the cosine bound.
     FP8 KV: an entry is e4m3 * scale, which the dequantizing kernels round to bf16 (fp8_format.dequantize) and
     the FP8-MMA kernel uses exactly; the result must meet the bounds against the reference on one of the two
     readings (they alone move a score by up to 2^-9 * SCALE * sum |q_i| |c_kv_i|, more than lse's 2e-3).
@@ -87,8 +89,7 @@ def _mismatch(out, lse, ref_out, ref_lse, long, fp8):
     if not (out[empty] == 0).all():
         return "empty rows not 0"
     err = (out - ref_out).abs()
-    slack = torch.where(long, 0.0, (2 ** -6 if fp8 else 2 ** -7)
-                        * ref_out.abs().amax(dim=(1, 2, 3)))[:, None, None, None]
+    slack = ((2 ** -6 if fp8 else 2 ** -7) * ref_out.abs().amax(dim=(1, 2, 3)))[:, None, None, None]
     bad = (err > 1e-3 + slack) & (err > (2 / 128) * ref_out.abs())
     if bad.any():
         return f"{int(bad.sum())} elements off; worst abs err {float(err.max()):.3g}"
@@ -159,11 +160,10 @@ def test_matches_reference(b, s_q, s_k, h, kv_kind, num_splits):
     (8, 1, 128, "bf16", 1), (6, 2, 40, "bf16", 1), (4, 1, 128, "bf16", 4), (8, 2, 64, "fp8", 1), (3, 1, 80, "fp8", 3)])
 def test_gluon_16_byte_stores_equal_accumulator_layout_stores(monkeypatch, b, s_q, h, kv_kind, num_splits):
     """The 64-row Gluon kernel's O (or fp32 split partials) converted to 16 bytes a thread before the stores
-    (STORE_16B) gives the same bits as stores from the accumulator's layout (80 rows: a partial second block).
-    Lengths of >= 1500 keys: at 446 keys one element of the bf16-P kernel was off FlashMLA's bound against the
-    float64 reference while _check gives slack below 256 only (bench/NOTES.md 56)."""
+    (STORE_16B) gives the same bits as stores from the accumulator's layout (80 rows: a partial second block),
+    over lengths of 1-1500 keys."""
     from mlaserve.kernels.triton import mla_decode_gluon as mg
-    lens = [1500 + (389 * i) % 1500 for i in range(b)]
+    lens = [1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = _case(lens, 64, s_q, h, kv_kind, seed=b + h)
 
     def call():

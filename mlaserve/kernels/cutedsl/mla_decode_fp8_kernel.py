@@ -51,13 +51,14 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas, store_block_16b)
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas, store_dense_block,
+    store_dense_lse)
 
 TILE_M = 64           # query rows per CTA: one wgmma M
 TILE_N = 64           # cached tokens per tile: one page
@@ -207,25 +208,13 @@ class MLADecodeFP8Sm90:
             finish_rows(row_m, row_l, sStat, r0, cw, ctid, inv_l, lse)
             if const_expr(self.store16):
                 if m_block * TILE_M + TILE_M <= rows:
-                    if const_expr(self.is_split):
-                        store_block_16b(acc_o, inv_l, mPO.iterator.toint(),
-                                        Int64((batch * mPO.shape[1] + split) * rows + m_block * TILE_M), r0, cw, ctid,
-                                        "f32")
-                    else:
-                        store_block_16b(acc_o, inv_l, mOut.iterator.toint(), Int64(batch * rows + m_block * TILE_M),
-                                        r0, cw, ctid, "bf16")
+                    store_dense_block(acc_o, inv_l, mOut, mPO, batch, split, m_block, rows, r0, cw, ctid,
+                                      self.is_split, "bf16")
                 else:
                     self._store_values(acc_o, inv_l, tOcO, mOut, mPO, cw, batch, split, m_block, rows)
             else:
                 self._store_values(acc_o, inv_l, tOcO, mOut, mPO, cw, batch, split, m_block, rows)
-            if cw == 0 and ctid % 4 == 0:
-                for hr in cutlass.range_constexpr(2):
-                    r = m_block * TILE_M + r0 + 8 * hr
-                    if r < rows:
-                        if const_expr(self.is_split):
-                            mPL[batch, split, r] = lse[hr]
-                        else:
-                            mLse[batch, r] = lse[hr]
+            store_dense_lse(lse, mLse, mPL, batch, split, m_block, rows, r0, cw, ctid, self.is_split)
 
     @cute.jit
     def _store_values(self, acc_o: cute.Tensor, inv_l: cute.Tensor, tOcO: cute.Tensor, mOut: cute.Tensor,
