@@ -46,27 +46,32 @@ def schedule_numel(slots: int, flags: int = 0) -> int:
 
 
 @triton.jit
+def _item_block(lens_ptr, i0, n, b, carry, ITEM_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Items i0 .. i0 + ITEM_BLOCK - 1 (item i: request i % b, pair i // b): -> (i, tiles, first tiles A_i
+    given the tiles before i0 in `carry`, carry past them). Items past n count 0 tiles."""
+    i = i0 + tl.arange(0, ITEM_BLOCK)
+    lens = tl.load(lens_ptr + i % b, mask=i < n, other=0)
+    tiles = (lens + TILE - 1) // TILE
+    return i, tiles, carry + tl.cumsum(tiles, axis=0) - tiles, carry + tl.sum(tiles, axis=0)
+
+
+@triton.jit
 def _balanced_kernel(lens_ptr, out_ptr, b, pairs, S, overhead, flags, flags_per_program, ITEM_BLOCK: tl.constexpr,
                      TILE: tl.constexpr):
-    # program s (0 .. S) computes W_s, I_s and CONT_s alone, over all items (item i: request i % b, pair i // b)
+    # program s (0 .. S) computes W_s, I_s and CONT_s alone, over all items
     s = tl.program_id(0)
     n = b * pairs
     total = s * 0
     for i0 in range(0, n, ITEM_BLOCK):
         i = i0 + tl.arange(0, ITEM_BLOCK)
-        lens = tl.load(lens_ptr + i % b, mask=i < n, other=0)
-        total += tl.sum((lens + TILE - 1) // TILE, axis=0)
+        total += tl.sum((tl.load(lens_ptr + i % b, mask=i < n, other=0) + TILE - 1) // TILE, axis=0)
     # the cost position x_s = s / S of the total cost; W_s = the tiles before it, each item counting its own tiles
     # up to x_s - (its start in cost units) - overhead
     x = (s.to(tl.int64) * (total.to(tl.int64) + n.to(tl.int64) * overhead) // S).to(tl.int32)
     w = s * 0
     carry = s * 0
     for i0 in range(0, n, ITEM_BLOCK):
-        i = i0 + tl.arange(0, ITEM_BLOCK)
-        lens = tl.load(lens_ptr + i % b, mask=i < n, other=0)
-        tiles = (lens + TILE - 1) // TILE
-        a = carry + tl.cumsum(tiles, axis=0) - tiles
-        carry += tl.sum(tiles, axis=0)
+        i, tiles, a, carry = _item_block(lens_ptr, i0, n, b, carry, ITEM_BLOCK, TILE)
         w += tl.sum(tl.minimum(tl.maximum(x - (a + i * overhead + overhead), 0), tiles), axis=0)
     w = tl.where(s == S, total, w)
     # I_s = #{i : A_i < W_s}; CONT_s = W_s - A_i for the item with A_i < W_s < A_i + tiles_i
@@ -74,11 +79,7 @@ def _balanced_kernel(lens_ptr, out_ptr, b, pairs, S, overhead, flags, flags_per_
     cont = s * 0
     carry = s * 0
     for i0 in range(0, n, ITEM_BLOCK):
-        i = i0 + tl.arange(0, ITEM_BLOCK)
-        lens = tl.load(lens_ptr + i % b, mask=i < n, other=0)
-        tiles = (lens + TILE - 1) // TILE
-        a = carry + tl.cumsum(tiles, axis=0) - tiles
-        carry += tl.sum(tiles, axis=0)
+        i, tiles, a, carry = _item_block(lens_ptr, i0, n, b, carry, ITEM_BLOCK, TILE)
         first += tl.sum(((i < n) & (a < w)).to(tl.int32), axis=0)
         cont += tl.sum(tl.where((i < n) & (a < w) & (w < a + tiles), w - a, 0), axis=0)
     first = tl.where(s == S, n, first)
