@@ -1,6 +1,8 @@
-"""A/B of a switch of the decode kernels, on against off, interleaved in one process and timed as `mlaserve bench
-kernels` times them (inputs rotating over 256 MB, CUDA-graph replay, L2 cleared before each call, median), with
-FlashInfer beside them where it is installed. The switches, read at launch (so captured with each graph):
+"""A/B of a switch of the decode kernels, on against off, in one process: CUDA-graph replays of inputs rotating over
+256 MB, L2 cleared before each call, the configs taking turns over --rounds rounds (limits.interleaved_us: the
+SM clock moves by up to 10% from launch to launch, so configs timed one after the other compare badly), each
+printed as its median and the median per-round ratio; FlashInfer in the turns where it is installed. The
+switches, read at launch (so captured with each graph):
   PERSISTENT     cutedsl: persistent launches against the ordinary grid (mla_decode.PERSISTENT)
   LONGEST_FIRST  cutedsl: persistent launches taking requests longest first against batch order (ticket launches:
                  with STREAM_K off)
@@ -24,6 +26,7 @@ Shapes: "bB hH [sqN] [skS] [var] [fp8]" (s_q 1, s_k 4096, fixed lengths, bf16 KV
 import argparse
 import importlib
 import os
+import statistics
 import sys
 
 import torch
@@ -32,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mlaserve.bench import inputs as bench_inputs  # noqa: E402
 from mlaserve.bench import peers, runners  # noqa: E402
-from mlaserve.bench.limits import capture_graphs, time_us  # noqa: E402
+from mlaserve.bench.limits import capture_graphs, interleaved_us, ratio_median  # noqa: E402
 from mlaserve.bench.shapes import DenseShape, SparseShape  # noqa: E402
 
 DEFAULT_SHAPES = ("b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk16384,b128 h128 sq2 sk4096,b128 h128 sq2 sk8192,"
@@ -93,6 +96,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--switch", default="PERSISTENT", choices=tuple(SWITCHES))
+    ap.add_argument("--rounds", type=int, default=30, help="interleaved rounds (limits.interleaved_us)")
     args = ap.parse_args()
     backend, switch = SWITCHES[args.switch]
     dev = torch.device("cuda")
@@ -109,25 +113,24 @@ def main() -> int:
         same = torch.equal(out_on, out_off)
         diff = (out_on.float() - out_off.float()).abs().max().item()
         switch(True)
-        t = {"on": [], "off": []}
-        for _ in range(2):
-            t["on"].append(time_us(on, dev))
-            t["off"].append(time_us(off, dev))
-        fi = None
+        runs = {"on": on, "off": off}
         try:
             if isinstance(shape, SparseShape):
                 raise runners.Unsupported("no sparse FlashInfer peer")
             fprep = peers.prepare("flashinfer", shape, inputs)
             for call in fprep.calls:
                 call()
-            fi = time_us(capture_graphs(fprep.calls), dev)
+            runs["flashinfer"] = capture_graphs(fprep.calls)
         except runners.Unsupported:
             pass
         except Exception as e:   # FlashInfer missing or failing: the A/B stands without it
             print(f"  flashinfer: {type(e).__name__}: {str(e)[:120]}", flush=True)
-        on_us, off_us = min(t["on"]), min(t["off"])
-        print(f"{spec:28s} {args.switch} on {on_us:8.1f} us  off {off_us:8.1f} us  off/on {off_us / on_us:.3f}x"
-              + (f"  flashinfer {fi:8.1f} us  fi/on {fi / on_us:.3f}x" if fi else "")
+        times = interleaved_us(runs, dev, args.rounds)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{spec:28s} {args.switch} on {med['on']:8.1f} us  off {med['off']:8.1f} us  "
+              f"off/on {ratio_median(times, 'off', 'on'):.3f}x"
+              + (f"  flashinfer {med['flashinfer']:8.1f} us  fi/on {ratio_median(times, 'flashinfer', 'on'):.3f}x"
+                 if "flashinfer" in runs else "")
               + ("" if same else f"  OUTPUTS DIFFER (max abs {diff:.2e})"), flush=True)
     return 0
 

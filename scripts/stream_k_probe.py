@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mlaserve.bench import inputs as bench_inputs  # noqa: E402
 from mlaserve.bench import peers, runners  # noqa: E402
-from mlaserve.bench.limits import capture_graphs, time_us  # noqa: E402
+from mlaserve.bench.limits import capture_graphs, interleaved_us, ratio_median, time_us  # noqa: E402
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 RULE_TILES = cd.STREAM_K_MIN_TILES
 from mlaserve.kernels.triton import stream_k  # noqa: E402
@@ -28,31 +28,6 @@ def rule(items: int, slots: int, inputs) -> str:
     """What stream_k_pays picks at the module's threshold (the probe sets it to 0 to time stream-K everywhere)."""
     idle = -(-items // slots) - items / slots
     return "stream-k" if idle * inputs.paging.block_table.shape[1] >= RULE_TILES else "tickets"
-
-
-def interleaved(runs: dict, dev, rounds: int):
-    """Each run's graphs replayed in turn, one call each per round (L2 cleared before each, events around it), the
-    order rotating from round to round: the SM clock, which moves by +-10% from launch to launch, falls alike on
-    all. -> (median us per run, median over rounds of each run's time / stream-k's)."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
-    names = list(runs)
-    times = {k: [] for k in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        events = []
-        for k in order:
-            flush.zero_()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            runs[k][r % len(runs[k])]()
-            e1.record()
-            events.append((k, e0, e1))
-        torch.cuda.synchronize()
-        for k, e0, e1 in events:
-            times[k].append(1e3 * e0.elapsed_time(e1))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = {k: statistics.median(a / b for a, b in zip(times[k], times["stream-k"])) for k in names if k != "stream-k"}
-    return med, ratio
 
 
 def main() -> int:
@@ -98,7 +73,9 @@ def main() -> int:
             for call in fprep.calls:
                 call()
             runs["flashinfer"] = capture_graphs(fprep.calls)
-        med, ratio = interleaved(runs, dev, args.rounds)
+        times = interleaved_us(runs, dev, args.rounds)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = {k: ratio_median(times, k, "stream-k") for k in runs if k != "stream-k"}
         print(f"   schedule kernel {t['schedule kernel']:.1f} us; interleaved medians ({args.rounds} rounds): "
               + "  ".join(f"{k} {v:.1f} us" for k, v in med.items())
               + "; median per-round ratio to stream-k: " + "  ".join(f"{k} {v:.3f}x" for k, v in ratio.items())

@@ -2,6 +2,7 @@
 FlashInfer peer's adapter pieces that need no GPU."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -243,3 +244,24 @@ def test_sglang_splits_follow_its_heuristic():
     assert small == [8]                                          # one request fills the GPU only by splitting
     mixed = peers.sglang_num_kv_splits([1000, 8000], num_heads=16, sm_count=132)
     assert mixed[1] > mixed[0] and max(mixed) <= 8
+
+
+def test_interleaved_rounds_take_turns_and_compare_per_round():
+    """limits.interleaved_us: every run once a round, rotating among its calls, the order rotating from round to
+    round; ratio_median divides round by round (CPU: wall clock)."""
+    from mlaserve.bench.limits import interleaved_us, ratio_median
+    calls = []
+
+    def make(name, k, seconds):
+        def fn():
+            calls.append((name, k))
+            time.sleep(seconds)
+        return fn
+    runs = {"fast": [make("fast", 0, 0.001), make("fast", 1, 0.001)], "slow": [make("slow", 0, 0.004)]}
+    times = interleaved_us(runs, torch.device("cpu"), rounds=4)
+    assert [len(v) for v in times.values()] == [4, 4]
+    assert calls == [("fast", 0), ("slow", 0), ("slow", 0), ("fast", 1), ("fast", 0), ("slow", 0), ("slow", 0),
+                     ("fast", 1)]
+    assert all(t >= 1000 for t in times["fast"]) and all(t >= 4000 for t in times["slow"])
+    assert ratio_median(times, "slow", "fast") > 1.5
+    assert ratio_median(times, "fast", "fast") == 1.0

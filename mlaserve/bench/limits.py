@@ -53,6 +53,48 @@ def time_us(fns: list[Callable[[], object]], device: torch.device, warmup_ms: fl
     return 1e6 * statistics.median(times)
 
 
+def interleaved_us(runs: dict[str, list[Callable[[], object]]], device: torch.device, rounds: int = 30,
+                   flush_bytes: int = 256 << 20) -> dict[str, list[float]]:
+    """Each run's time of one call in µs per round: the runs take turns, one call each a round (rotating among a
+    run's calls, one per input set), the order rotating from round to round.
+
+    On the H200 the SM clock moves by up to ±10% from launch to launch (bench/NOTES.md 54), so two configs timed
+    one after the other can differ by more than what is being measured; in turns, each round's calls run at
+    about the same clock, and the median over rounds of a run's time divided by another's (`ratio_median`)
+    compares them. CUDA: L2 cleared before each call, events around it; CPU: wall clock.
+    """
+    names = list(runs)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cuda = device.type == "cuda"
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device=device) if cuda else None
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        marks = []
+        for k in order:
+            fn = runs[k][r % len(runs[k])]
+            if cuda:
+                flush.zero_()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn()
+                e1.record()
+                marks.append((k, e0, e1))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(1e6 * (time.perf_counter() - t0))
+        if cuda:
+            torch.cuda.synchronize()
+            for k, e0, e1 in marks:
+                times[k].append(1e3 * e0.elapsed_time(e1))
+    return times
+
+
+def ratio_median(times: dict[str, list[float]], run: str, base: str) -> float:
+    """The median over rounds of run's time / base's time (interleaved_us's rounds)."""
+    return statistics.median(a / b for a, b in zip(times[run], times[base]))
+
+
 def capture_graphs(fns: list[Callable[[], object]]) -> list[Callable[[], object]] | None:
     """Each call captured in its own CUDA graph, as replays; None when a call cannot be captured.
 
