@@ -227,3 +227,15 @@ def test_persistent_launch_only_where_items_outnumber_the_sms(b, rows, kv_fp8, s
 ])
 def test_stream_k_only_where_whole_items_leave_slots_idle(items, slots, max_pages, want):
     assert cd.stream_k_pays(items, slots, max_pages) is want
+
+
+@pytest.mark.parametrize("cluster", [1, 2, 4])
+def test_stream_k_buffers_hold_every_launch_the_device_takes(cluster):
+    """A stream-K launch of S = SMs // cluster slots writes its schedule and flags (3 S + 2 + 3 S cluster int32)
+    and two 64-row partials of O and lse a slot and CTA into the device's buffers (the CPU stand-in: 8 SMs)."""
+    sched, partials = cd.stream_k_buffers(CPU)
+    slots = cd.persistent_clusters(100, 64 * cluster, False, False, cluster, CPU)
+    assert slots == 8 // cluster
+    assert sched.dtype == torch.int32 and sched.numel() >= 3 * slots + 2 + 3 * slots * cluster
+    assert partials.dtype == torch.float32 and partials.numel() >= slots * 2 * cluster * 64 * (512 + 1)
+    assert cd.stream_k_buffers(CPU)[0] is sched       # one pair per device
