@@ -265,3 +265,21 @@ def test_interleaved_rounds_take_turns_and_compare_per_round():
     assert all(t >= 1000 for t in times["fast"]) and all(t >= 4000 for t in times["slow"])
     assert ratio_median(times, "slow", "fast") > 1.5
     assert ratio_median(times, "fast", "fast") == 1.0
+
+
+def test_peer_ratio_is_the_median_of_per_round_ratios_where_rounds_were_interleaved():
+    """Rows of one shape and KV timed in the same rounds compare round by round (the clock drifts between rounds);
+    rows without rounds, or of another KV, by their medians."""
+    base = {"suite": "dense", "key": "k", "shape": {}, "bytes": 4e9, "flops": 1e12, "status": "ok"}
+    data = {"limits": {}, "rows": [
+        dict(base, kv="bf16", backend="cutedsl", time_rounds_us=[900.0, 1000.0, 1000.0], time_us=1000.0),
+        dict(base, kv="bf16", backend="flashinfer", time_rounds_us=[990.0, 990.0, 1010.0], time_us=990.0),
+        dict(base, kv="fp8", backend="cutedsl", time_rounds_us=[500.0, 500.0, 500.0], time_us=500.0),
+        dict(base, kv="bf16", backend="triton", time_us=1250.0)]}
+    report.derive(data)
+    cu, fi, cu8, tri = data["rows"]
+    # per round 1.1, 0.99, 1.01: median 1.01 (the medians' ratio would say 0.99)
+    assert cu["vs"]["flashinfer"] == pytest.approx(1.01)
+    assert fi["vs"]["cutedsl"] == pytest.approx(1 / 1.01)
+    assert cu["vs"]["cutedsl@fp8"] == pytest.approx(0.5) and cu["vs"]["triton"] == pytest.approx(1.25)
+    assert tri["vs"]["cutedsl"] == pytest.approx(0.8)

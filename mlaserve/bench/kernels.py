@@ -227,10 +227,14 @@ class Bench:
             if calls is not None:
                 timed[r["backend"]] = (r, *calls)
         # the backends timed in turns, so that the GPU's clock (it moves with power and temperature from one
-        # launch to the next: 1350-1720 MHz on the H200 in bench/NOTES.md 54) weighs on all of them alike
+        # launch to the next: 1350-1720 MHz on the H200 in bench/NOTES.md 54) weighs on all of them alike; the
+        # order rotates from round to round (first in every round, one backend ran 10% faster in its first round
+        # than the others in theirs: bench/NOTES.md 60)
         rounds = max(1, self.args.rounds)
-        for _ in range(rounds):
-            for name, (r, calls, _) in timed.items():
+        names = list(timed)
+        for k in range(rounds):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                r, calls, _ = timed[name]
                 if r["status"] == "error":
                     continue
                 try:

@@ -8,6 +8,7 @@ device) are compared with each other and with the latest measured limits.
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 SCHEMA = "mlaserve.bench.kernels/1"
@@ -72,8 +73,17 @@ def derive(data: dict) -> dict:
             if other is row:
                 continue
             name = other["backend"] if other["kv"] == row["kv"] else f"{other['backend']}@{other['kv']}"
-            row["vs"][name] = other["time_us"] / row["time_us"]   # > 1: this row is faster
+            row["vs"][name] = _ratio(other, row)   # > 1: this row is faster
     return data
+
+
+def _ratio(other: dict, row: dict) -> float:
+    """other's time / row's: the median of the per-round ratios where both were timed in the same interleaved
+    rounds (same KV, as many rounds), which takes the clock's drift between rounds out; else of the medians."""
+    a, b = other.get("time_rounds_us") or [], row.get("time_rounds_us") or []
+    if other["kv"] == row["kv"] and a and len(a) == len(b) and all(b):
+        return statistics.median(x / y for x, y in zip(a, b))
+    return other["time_us"] / row["time_us"]
 
 
 def _finite(value):
