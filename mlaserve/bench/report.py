@@ -130,7 +130,8 @@ def table(data: dict, brief: bool = False, primary_order: tuple[str, ...] = ()) 
         lines.append(f"limits: copy {limits['copy_tbps']:.2f} TB/s, bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s")
     else:
         lines.append(f"limits: {limits.get('note', 'not measured')}")
-    lines.append("primary = first mlaserve kernel backend timed; others: µs (their time / primary's; >1 = primary faster)")
+    lines.append("primary = first mlaserve kernel backend timed; others: µs (their time / primary's, the median of "
+                 "the rounds' ratios; >1 = primary faster)")
     for (suite, key, kv), rows in groups.items():
         timed = [r for r in rows if r["status"] in OK_STATUSES and r.get("time_us")]
         prim = _primary(timed, primary_order)
