@@ -18,16 +18,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mlaserve.bench import inputs as bench_inputs  # noqa: E402
 from mlaserve.bench import peers, runners  # noqa: E402
 from mlaserve.bench.limits import capture_graphs, interleaved_us, ratio_median, time_us  # noqa: E402
-cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
-RULE_TILES = cd.STREAM_K_MIN_TILES
 from mlaserve.kernels.triton import stream_k  # noqa: E402
 from scripts.decode_ab import parse_shape  # noqa: E402
 
+cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+RULE_TILES = cd.STREAM_K_MIN_TILES
 
-def rule(items: int, slots: int, inputs) -> str:
+
+def rule(items: int, slots: int, max_pages: int) -> str:
     """What stream_k_pays picks at the module's threshold (the probe sets it to 0 to time stream-K everywhere)."""
-    idle = -(-items // slots) - items / slots
-    return "stream-k" if idle * inputs.paging.block_table.shape[1] >= RULE_TILES else "tickets"
+    probe_tiles, cd.STREAM_K_MIN_TILES = cd.STREAM_K_MIN_TILES, RULE_TILES
+    pays = cd.stream_k_pays(items, slots, max_pages)
+    cd.STREAM_K_MIN_TILES = probe_tiles
+    return "stream-k" if pays else "tickets"
 
 
 def main() -> int:
@@ -56,8 +59,7 @@ def main() -> int:
         print(f"{spec}: {slots} slots x {cluster} CTAs, {len(tiles)} items; schedule on GPU == reference: "
               f"{got == want}; slot cost max {max(cost)} min {min(cost)}; whole items "
               f"{-(-len(tiles) // slots)} rounds; the rule (>= {RULE_TILES} tiles) takes "
-              f"{rule(len(tiles), slots, inputs)}", flush=True)
-        t = {}
+              f"{rule(len(tiles), slots, inputs.paging.block_table.shape[1])}", flush=True)
         cd.STREAM_K = False
         tickets = capture_graphs(prep.calls)
         out_t = prep.calls[0]()[0].float()
@@ -66,7 +68,7 @@ def main() -> int:
         out_s = prep.calls[0]()[0].float()
         sched_only = [lambda: stream_k.balanced_schedule(lens, pairs, slots, cd.STREAM_K_OVERHEAD,
                                                          flags=3 * slots * cluster)]
-        t["schedule kernel"] = time_us(capture_graphs(sched_only), dev)
+        sched_us = time_us(capture_graphs(sched_only), dev)
         runs = {"tickets": tickets, "stream-k": streamk}
         if args.flashinfer:
             fprep = peers.prepare("flashinfer", shape, inputs)
@@ -76,7 +78,7 @@ def main() -> int:
         times = interleaved_us(runs, dev, args.rounds)
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = {k: ratio_median(times, k, "stream-k") for k in runs if k != "stream-k"}
-        print(f"   schedule kernel {t['schedule kernel']:.1f} us; interleaved medians ({args.rounds} rounds): "
+        print(f"   schedule kernel {sched_us:.1f} us; interleaved medians ({args.rounds} rounds): "
               + "  ".join(f"{k} {v:.1f} us" for k, v in med.items())
               + "; median per-round ratio to stream-k: " + "  ".join(f"{k} {v:.3f}x" for k, v in ratio.items())
               + f"; max |stream-k - tickets| {(out_s - out_t).abs().max().item():.2e}", flush=True)
