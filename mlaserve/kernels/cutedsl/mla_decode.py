@@ -349,12 +349,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     po, pl = (plan.partial_out, plan.partial_lse) if split else (lse, lse)  # unused pointers when not split
     grid_y = plan.num_splits
     clusters = persistent_clusters(b, s_q * h, kv_fp8, split, cluster, q.device)
-    streamk = (bool(clusters) and STREAM_K and not TRACE
-               and stream_k_pays(b * triton.cdiv(s_q * h, TILE_M) // cluster, clusters, block_table.shape[1]))
+    pairs = triton.cdiv(s_q * h, TILE_M) // cluster     # a request's work items (pairs of row tiles in clusters)
+    streamk = bool(clusters) and STREAM_K and not TRACE and stream_k_pays(b * pairs, clusters, block_table.shape[1])
     if streamk:
         sched, po = stream_k_buffers(q.device)
-        pl = stream_k.balanced_schedule(cache_seqlens, triton.cdiv(s_q * h, TILE_M) // cluster, clusters,
-                                        STREAM_K_OVERHEAD, flags=3 * clusters * cluster, out=sched)
+        pl = stream_k.balanced_schedule(cache_seqlens, pairs, clusters, STREAM_K_OVERHEAD, flags=3 * clusters * cluster,
+                                        out=sched)
         grid_y = clusters
     elif clusters:
         po, grid_y = scheduler_counters(q.device), clusters

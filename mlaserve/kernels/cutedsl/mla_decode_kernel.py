@@ -55,9 +55,9 @@ drawn are the short ones and the SMs finish together when lengths vary.
 Stream-K persistent launches (mla_decode.stream_k_pays: where whole items would leave the clusters idle through a
 last round, e.g. b 128 h 128 s_q 2 = 256 items on 66 clusters, 3.88 rounds run as 4): a static schedule
 (mlaserve.kernels.triton.stream_k, computed on the GPU each call) gives every cluster the same cost of KV tiles,
-cutting items where a share ends. Producer and consumers walk their slot's pieces (_first_piece, _piece) with no
+cutting items where a share ends. Producer and consumers walk their slot's pieces (stream_k_pieces.py) with no
 tickets; the pieces of a cut item count their arrivals, each but the last writes its normalized O and lse to a
-workspace entry and flags it, and the last folds them all in slot order (_merge_piece), so that the bits do not
+workspace entry and flags it, and the last folds them all in slot order (merge_piece), so that the bits do not
 depend on which finished first. H200, interleaved against tickets: s_k 32768 s_q 1 / 2 1.025 / 1.043x faster;
 s_k 4096 0.956 / 0.993x, where a cut (a piece's fixed cost, the partial's round trip, the merge) costs more than
 the idle round's tiles (bench/NOTES.md 58).
@@ -74,31 +74,27 @@ zeroed in smem before P V (a masked P of 0 times a NaN left in an unused slot wo
 """
 
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
-    other_tile_pv, other_tile_pv_issue, seesaw_operands, seesaw_tiled_mmas)
-from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, store_block_16b,
-                                                      store_dense_block, store_dense_lse)
+    other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, take_row_sums)
+from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, store_dense_block,
+                                                      store_dense_lse)
+from mlaserve.kernels.cutedsl.stream_k_pieces import first_piece, merge_piece, piece_of
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
-_LOG2E = 1.4426950408889634
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
 ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
-BAR_SK = 6            # stream-K pieces: both consumers, around the arrival count and the partials' handover
-BAR_SUM_W = 7         # + w: consumer w's row sums published (publish_row_sums)
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
 # then the producer's clock at the item's hand-over, its Q load issued and its first page issued; consumer 0's clock
@@ -128,37 +124,6 @@ def visible_keys(seqlen: Int32, s_q: Int32, h: Int32, row: Int32, causal: bool) 
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
     """The smallest number of keys any row sees (tiles that end before it need no mask)."""
     return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
-
-
-@cute.jit
-def publish_row_sums(row_l: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32, parity: Int32):
-    """A consumer's final row sums (of its own tiles' P, at the final max): summed over the quad into
-    sSum[row, cw, parity], then an arrival on its BAR_SUM_W barrier, which the other consumer waits on
-    (take_row_sums). Published as soon as they are final, so that the consumer that ran the last tile
-    normalizes and stores while the other still adds that tile's P V (2-3 k cycles an item of the H200's
-    traces). The buffer alternates by item (`parity`): the other consumer reads this item's sums before it
-    publishes the next item's, which this one waits for before publishing the one after."""
-    for hr in cutlass.range_constexpr(2):
-        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
-        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
-        if ctid % 4 == 0:
-            sSum[r0 + 8 * hr, cw, parity] = row_l[hr]
-    cute.arch.barrier_arrive(barrier_id=BAR_SUM_W + cw, number_of_threads=CONSUMER_THREADS)
-
-
-@cute.jit
-def take_row_sums(row_m: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, parity: Int32, inv_l: cute.Tensor,
-                  lse: cute.Tensor):
-    """After both consumers published (publish_row_sums): inv_l = 1 / the whole row sum and lse (natural log; 0
-    and -inf for a row that saw no key)."""
-    cute.arch.barrier(barrier_id=BAR_SUM_W + 1 - cw, number_of_threads=CONSUMER_THREADS)
-    for hr in cutlass.range_constexpr(2):
-        total = sSum[r0 + 8 * hr, 0, parity] + sSum[r0 + 8 * hr, 1, parity]
-        inv_l[hr] = 0.0
-        lse[hr] = -Float32.inf
-        if total > 0.0:
-            inv_l[hr] = 1.0 / total
-            lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
 
 
 class MLADecodeSm90:
@@ -359,10 +324,11 @@ class MLADecodeSm90:
                     kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
                                                   kv_state, batch, m_block, start, n_tiles, rank)
                 elif const_expr(self.streamk):
-                    # the slot's pieces, as the consumers walk them (_first_piece, _piece)
-                    item, lo, pos, w1, i_end = self._first_piece(mPL, by, num_splits)
+                    # the slot's pieces, as the consumers walk them (stream_k_pieces)
+                    item, lo, pos, w1, i_end = first_piece(mPL, by, num_splits)
                     while item < i_end:
-                        batch_i, m_block_i, seqlen_i, n_i, hi = self._piece(mSeqlens, item, lo, pos, w1, rank)
+                        batch_i, m_block_i, seqlen_i, n_i, hi = piece_of(mSeqlens, item, lo, pos, w1, rank,
+                                                                         self.cluster)
                         kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe,
                                                       q_state, kv_state, batch_i, m_block_i, lo * TILE_N, hi - lo,
                                                       rank)
@@ -393,10 +359,10 @@ class MLADecodeSm90:
                 rank = 0
                 if const_expr(self.cluster > 1):
                     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-                item, lo, pos, w1, i_end = self._first_piece(mPL, by, num_splits)
+                item, lo, pos, w1, i_end = first_piece(mPL, by, num_splits)
                 g = Int32(0)             # tiles of this CTA's earlier pieces (the ring's and the seesaw's count)
                 while item < i_end:
-                    batch_i, m_block_i, seqlen_i, n_i, hi = self._piece(mSeqlens, item, lo, pos, w1, rank)
+                    batch_i, m_block_i, seqlen_i, n_i, hi = piece_of(mSeqlens, item, lo, pos, w1, rank, self.cluster)
                     ops[8].fill(0.0)     # acc_o
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, lo * TILE_N, hi - lo,
@@ -479,7 +445,7 @@ class MLADecodeSm90:
         """One consumer's part of one (request, row tile, split): its tiles of the seesaw, then its half of the
         output. `g` counts the tiles this CTA ran before (persistent launches; 0 otherwise): ring stage and owner
         of the item's tile t are those of tile g + t. `piece` (stream-K launches): (item, first tile, end tile,
-        the item's tiles, slot, slots, cluster rank, smem storage) for _merge_piece."""
+        the item's tiles, slot, slots, cluster rank, smem storage) for merge_piece."""
         (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
         # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
         # the row), shared with the three other lanes of its quad.
@@ -605,7 +571,7 @@ class MLADecodeSm90:
                 self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
         owner = Int32(1)         # this CTA stores the rows' output (stream-K: not a piece another one merges)
         if const_expr(self.streamk):
-            owner = self._merge_piece(acc_o, inv_l, lse, tOcO, mPO, mPL, r0, cw, ctid, piece)
+            owner = merge_piece(acc_o, inv_l, lse, tOcO, mPO, mPL, r0, cw, ctid, piece, self.cluster)
         if owner != 0:
             full = m_block * TILE_M + TILE_M <= rows
             if const_expr(self.store16):
@@ -642,143 +608,6 @@ class MLADecodeSm90:
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 if m_block * TILE_M + tOcO[i][0] < rows:
                     tOgO[i] = rO[i]
-
-    # -- stream-K launches: a static schedule of balanced slots (mlaserve.kernels.triton.stream_k) --
-
-    @cute.jit
-    def _first_piece(self, mSched: cute.Tensor, s: Int32, n_slots: Int32):
-        """Slot s's first piece and bounds -> (item, first tile, its position in the sequence W_s, W_s+1, the
-        first item of the next slot I_s+1). The slot starts inside item I_s - 1 where CONT_s > 0."""
-        item = mSched[n_slots + 1 + s]
-        lo = Int32(0)
-        cont = mSched[2 * n_slots + 2 + s]
-        if cont > 0:
-            item = item - 1
-            lo = cont
-        return item, lo, mSched[s], mSched[s + 1], mSched[n_slots + 2 + s]
-
-    @cute.jit
-    def _piece(self, mSeqlens: cute.Tensor, item: Int32, lo: Int32, pos: Int32, w1: Int32, rank: Int32):
-        """The piece of `item` (row-tile pair item // b of request item % b) from tile `lo` at sequence position
-        `pos` in a slot ending at w1 -> (request, row tile, its length, its tiles, the piece's end tile)."""
-        b = cute.size(mSeqlens)
-        batch = item % b
-        seqlen = mSeqlens[batch]
-        n = (seqlen + TILE_N - 1) // TILE_N
-        return batch, (item // b) * self.cluster + rank, seqlen, n, cutlass.min(n, lo + w1 - pos)
-
-    @cute.jit
-    def _merge_piece(self, acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor,
-                     mWS: cute.Tensor, mSched: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32, piece) -> Int32:
-        """After a piece's row sums: 1 if this CTA is to store the rows' output (acc_o, inv_l, lse then hold the
-        whole item's), 0 if another piece of the item will.
-
-        A whole item stores its own. The pieces of a cut item (first piece at the end of slot s0, the others at
-        the start of slots s0 + 1 ..) count their arrivals on the item's counter; each but the last writes its
-        normalized O and lse into its workspace entry (slot, kind: 0 a continuation, 1 a first piece) and flags
-        it ready; the last folds all pieces in slot order, whatever order they finished in (the first piece from
-        registers when it is the last, as it nearly always is: else its own partial is written and read back
-        like the others), so that the result does not depend on timing. It waits only for pieces that have
-        arrived, which are running their epilogues: no slot waits for a slot that has not started. The counters
-        and flags start at zero: the schedule kernel clears them before each launch."""
-        item, lo, hi, n_tiles, s, n_slots, rank, storage = piece
-        owner = Int32(1)
-        if lo > 0 or hi < n_tiles:
-            # the slots of the item's pieces: s0 .. s_end - 1
-            s0 = s
-            if lo > 0:
-                s0 = s - 1
-                while mSched[2 * n_slots + 2 + s0] > 0 and mSched[n_slots + 1 + s0] - 1 == item:
-                    s0 = s0 - 1
-            s_end = s0 + 1
-            while s_end < n_slots and mSched[2 * n_slots + 2 + s_end] > 0 and mSched[n_slots + 1 + s_end] - 1 == item:
-                s_end = s_end + 1
-            counter = 3 * n_slots + 2 + s0 * self.cluster + rank
-            ready = 3 * n_slots + 2 + n_slots * self.cluster       # + workspace entry
-            arrivals = storage.arrivals.get_tensor(cute.make_layout(2))
-            if cw == 0 and ctid == 0:
-                arrivals[0] = cute.arch.atomic_add(mSched.iterator + counter, Int32(1), sem="acq_rel", scope="gpu")
-            cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
-            last = arrivals[0] == s_end - s0 - 1
-            me = (s * 2) * self.cluster + rank
-            if lo == 0:
-                me = (s * 2 + 1) * self.cluster + rank
-            if not last or lo > 0:
-                self._store_partial(acc_o, inv_l, lse, mWS, me, n_slots, r0, cw, ctid)
-            if not last:
-                # every thread's stores of the partial, then one thread's fence (cumulative over them through the
-                # barrier) and the flag
-                cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
-                if cw == 0 and ctid == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.store(mSched.iterator + ready + me, Int32(1), sem="relaxed", scope="gpu")
-                owner = Int32(0)
-            else:
-                if lo > 0:
-                    # this CTA's own partial, written across the quads: read back after every thread wrote
-                    cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
-                cur = cute.make_rmem_tensor(2, Float32)
-                for j in cutlass.range(s0, s_end, unroll=1):
-                    entry = (j * 2) * self.cluster + rank
-                    if j == s0:
-                        entry = (j * 2 + 1) * self.cluster + rank
-                    if j == s0 and lo == 0:
-                        scale_rows(acc_o, inv_l)
-                        cur[0] = lse[0]
-                        cur[1] = lse[1]
-                    else:
-                        if j != s:
-                            if cw == 0 and ctid == 0:
-                                while cute.arch.load(mSched.iterator + ready + entry, Int32, sem="acquire",
-                                                     scope="gpu") == 0:
-                                    pass
-                            cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
-                        self._fold_partial(acc_o, cur, tOcO, mWS, entry, n_slots, r0, cw, j == s0)
-                for hr in cutlass.range_constexpr(2):
-                    inv_l[hr] = 1.0
-                    lse[hr] = cur[hr]
-        return owner
-
-    @cute.jit
-    def _store_partial(self, acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, mWS: cute.Tensor, entry: Int32,
-                       n_slots: Int32, r0: Int32, cw: Int32, ctid: Int32):
-        """A piece's normalized O (acc_o scaled in place) and lse into workspace entry `entry`: 64 rows of 512 fp32
-        at rows entry * 64 .., the lse after all entries' rows."""
-        store_block_16b(acc_o, inv_l, mWS.iterator.toint(), Int64(entry * TILE_M), r0, cw, ctid, "f32")
-        if cw == 0 and ctid % 4 == 0:
-            lse_base = n_slots * 2 * self.cluster * TILE_M * D_V + entry * TILE_M
-            for hr in cutlass.range_constexpr(2):
-                mWS[lse_base + r0 + 8 * hr] = lse[hr]
-
-    @cute.jit
-    def _fold_partial(self, acc_o: cute.Tensor, cur: cute.Tensor, tOcO: cute.Tensor, mWS: cute.Tensor, entry: Int32,
-                      n_slots: Int32, r0: Int32, cw: Int32, first):
-        """acc_o (normalized, log-sum-exp cur per row) merged with workspace entry `entry` (normalized, its own
-        lse), or replaced by it where `first`. Plain loads, so that they issue together (each as ld.global.cg, a
-        strong load, they went out one after another: ~20 us a merge at the end of every slot on the H200): the
-        entry is this CTA's own (its stores passed through L1) or was flagged ready to an acquire load, whose
-        L1 invalidation (CCTL.IVALL) keeps stale lines of an earlier launch out."""
-        lse_base = n_slots * 2 * self.cluster * TILE_M * D_V + entry * TILE_M
-        ca = cute.make_rmem_tensor(2, Float32)
-        cb = cute.make_rmem_tensor(2, Float32)
-        for hr in cutlass.range_constexpr(2):
-            lp = mWS[lse_base + r0 + 8 * hr]
-            ca[hr] = 0.0
-            cb[hr] = 1.0
-            if not first:
-                mx = cute.arch.fmax(cur[hr], lp)
-                cb[hr] = 0.0
-                if mx != -Float32.inf:
-                    ea = cute.math.exp2((cur[hr] - mx) * _LOG2E, fastmath=False)
-                    eb = cute.math.exp2((lp - mx) * _LOG2E, fastmath=False)
-                    ca[hr] = ea / (ea + eb)
-                    cb[hr] = eb / (ea + eb)
-                    lp = mx + cute.math.log2(ea + eb, fastmath=False) / _LOG2E
-            cur[hr] = lp
-        row_base = entry * TILE_M * D_V + cw * HALF_V
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            x = mWS[row_base + tOcO[i][0] * D_V + tOcO[i][1]]
-            acc_o[i] = acc_o[i] * ca[(i // 2) % 2] + x * cb[(i // 2) % 2]
 
     # -- persistent launches: the work-item scheduler --
 

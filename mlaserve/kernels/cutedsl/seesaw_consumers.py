@@ -8,6 +8,8 @@ through smem; both add P(t) V_t into their 256 columns of O, the owner with P fr
 from smem (other_tile_pv). Everything here is inlined into the calling kernel at trace time.
 """
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -25,6 +27,7 @@ HALF_V = D_V // 2     # columns of O per consumer
 NUM_STAGES = 2        # = the number of consumers: consumer w's tiles always sit in stage w
 BAR_P_READY = 1       # + w: consumer w arrives once P and m of its tile are in smem (0 is __syncthreads)
 BAR_SUM = 3           # both consumers: row sums exchanged at the end
+BAR_SUM_W = 7         # + w: consumer w's row sums published (publish_row_sums; the dense decode's 4-6 are its own)
 CONSUMER_THREADS = 256
 
 
@@ -136,3 +139,34 @@ def issue_mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCr
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+@cute.jit
+def publish_row_sums(row_l: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32, parity: Int32):
+    """A consumer's final row sums (of its own tiles' P, at the final max): summed over the quad into
+    sSum[row, cw, parity], then an arrival on its BAR_SUM_W barrier, which the other consumer waits on
+    (take_row_sums). Published as soon as they are final, so that the consumer that ran the last tile
+    normalizes and stores while the other still adds that tile's P V (2-3 k cycles an item of the H200's
+    traces). The buffer alternates by item (`parity`): the other consumer reads this item's sums before it
+    publishes the next item's, which this one waits for before publishing the one after."""
+    for hr in cutlass.range_constexpr(2):
+        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=1)
+        row_l[hr] = row_l[hr] + cute.arch.shuffle_sync_bfly(row_l[hr], offset=2)
+        if ctid % 4 == 0:
+            sSum[r0 + 8 * hr, cw, parity] = row_l[hr]
+    cute.arch.barrier_arrive(barrier_id=BAR_SUM_W + cw, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def take_row_sums(row_m: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, parity: Int32, inv_l: cute.Tensor,
+                  lse: cute.Tensor):
+    """After both consumers published (publish_row_sums): inv_l = 1 / the whole row sum and lse (natural log; 0
+    and -inf for a row that saw no key)."""
+    cute.arch.barrier(barrier_id=BAR_SUM_W + 1 - cw, number_of_threads=CONSUMER_THREADS)
+    for hr in cutlass.range_constexpr(2):
+        total = sSum[r0 + 8 * hr, 0, parity] + sSum[r0 + 8 * hr, 1, parity]
+        inv_l[hr] = 0.0
+        lse[hr] = -Float32.inf
+        if total > 0.0:
+            inv_l[hr] = 1.0 / total
+            lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
