@@ -58,9 +58,9 @@ last round, e.g. b 128 h 128 s_q 2 = 256 items on 66 clusters, 3.88 rounds run a
 cutting items where a share ends. Producer and consumers walk their slot's pieces (stream_k_pieces.py) with no
 tickets; the pieces of a cut item count their arrivals, each but the last writes its normalized O and lse to a
 workspace entry and flags it, and the last folds them all in slot order (merge_piece), so that the bits do not
-depend on which finished first. H200, interleaved against tickets: s_k 32768 s_q 1 / 2 1.025 / 1.043x faster;
-s_k 4096 0.956 / 0.993x, where a cut (a piece's fixed cost, the partial's round trip, the merge) costs more than
-the idle round's tiles (bench/NOTES.md 58).
+depend on which finished first. H200, interleaved against tickets: s_k 32768 s_q 1 / 2 1.025 / 1.037x faster;
+s_k 4096 0.976 / 0.999x, where a cut (a piece's fixed cost, the partial's round trip, the merge) costs more than
+the idle round's tiles (bench/NOTES.md 58, 61).
 
 The epilogue stores a whole 64-row block's O (or fp32 split partials) 16 bytes at a time after a transpose
 within each quad (split_consumers.store_block_16b): from the accumulator's 4-byte column pairs it took 11.5 k
@@ -571,7 +571,7 @@ class MLADecodeSm90:
                 self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
         owner = Int32(1)         # this CTA stores the rows' output (stream-K: not a piece another one merges)
         if const_expr(self.streamk):
-            owner = merge_piece(acc_o, inv_l, lse, tOcO, mPO, mPL, r0, cw, ctid, piece, self.cluster)
+            owner = merge_piece(acc_o, inv_l, lse, mPO, mPL, r0, cw, ctid, piece, self.cluster)
         if owner != 0:
             full = m_block * TILE_M + TILE_M <= rows
             if const_expr(self.store16):

@@ -4,7 +4,8 @@ of a cut item merge. Everything here is inlined into the kernel at trace time.
 
 The workspace (mla_decode.stream_k_buffers' fp32 buffer, mWS) holds an entry per slot s, kind k (0: the
 continuation piece at the slot's start, 1: the first piece at its end) and CTA rank r, entry (2 s + k) * cluster
-+ r: 64 rows of the normalized O (512 fp32 a row), then, after all entries' rows, 64 lse each. The schedule's
++ r: the normalized O of its 64 rows (64 x 512 fp32, in the consumer threads' register order: _chunk_at), then,
+after all entries' O, 64 lse each. The schedule's
 buffer (mSched) holds W, I, CONT (3 slots + 2 int32), then an arrival counter per slot and rank (indexed by the
 slot of the item's first piece) and a ready flag per entry.
 """
@@ -12,11 +13,15 @@ slot of the item's first piece) and a ready flag per entry.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.seesaw_consumers import CONSUMER_THREADS, D_V, HALF_V, TILE_M, TILE_N
-from mlaserve.kernels.cutedsl.split_consumers import scale_rows, store_block_16b
+from mlaserve.kernels.cutedsl.split_consumers import row_of, scale_rows
 
 BAR_SK = 6            # both consumers, around the arrival count and the partials' handover
+WG_THREADS = 128      # a consumer warpgroup's threads
 _LOG2E = 1.4426950408889634
 
 
@@ -49,9 +54,8 @@ def piece_of(mSeqlens: cute.Tensor, item: Int32, lo: Int32, pos: Int32, w1: Int3
     return batch, (item // b) * cluster + rank, seqlen, n, cutlass.min(n, lo + w1 - pos)
 
 @cute.jit
-def merge_piece(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor,
-                mWS: cute.Tensor, mSched: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32, piece,
-                cluster: cutlass.Constexpr[int]) -> Int32:
+def merge_piece(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, mWS: cute.Tensor, mSched: cute.Tensor,
+                r0: Int32, cw: Int32, ctid: Int32, piece, cluster: cutlass.Constexpr[int]) -> Int32:
     """After a piece's row sums: 1 if this CTA is to store the rows' output (acc_o, inv_l, lse then hold the
     whole item's), 0 if another piece of the item will.
 
@@ -96,9 +100,6 @@ def merge_piece(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: 
                 cute.arch.store(mSched.iterator + ready + me, Int32(1), sem="relaxed", scope="gpu")
             owner = Int32(0)
         else:
-            if lo > 0:
-                # this CTA's own partial, written across the quads: read back after every thread wrote
-                cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
             cur = cute.make_rmem_tensor(2, Float32)
             for j in cutlass.range(s0, s_end, unroll=1):
                 entry = (j * 2) * cluster + rank
@@ -115,7 +116,7 @@ def merge_piece(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: 
                                                  scope="gpu") == 0:
                                 pass
                         cute.arch.barrier(barrier_id=BAR_SK, number_of_threads=CONSUMER_THREADS)
-                    _fold_partial(acc_o, cur, tOcO, mWS, entry, n_slots, r0, cw, j == s0, cluster)
+                    _fold_partial(acc_o, cur, mWS, entry, n_slots, r0, cw, ctid, j == s0, cluster)
             for hr in cutlass.range_constexpr(2):
                 inv_l[hr] = 1.0
                 lse[hr] = cur[hr]
@@ -124,21 +125,26 @@ def merge_piece(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: 
 @cute.jit
 def _store_partial(acc_o: cute.Tensor, inv_l: cute.Tensor, lse: cute.Tensor, mWS: cute.Tensor, entry: Int32,
                    n_slots: Int32, r0: Int32, cw: Int32, ctid: Int32, cluster: cutlass.Constexpr[int]):
-    """A piece's normalized O (acc_o scaled in place) and lse into workspace entry `entry`: 64 rows of 512 fp32
-    at rows entry * 64 .., the lse after all entries' rows."""
-    store_block_16b(acc_o, inv_l, mWS.iterator.toint(), Int64(entry * TILE_M), r0, cw, ctid, "f32")
+    """A piece's normalized O (acc_o scaled in place) and lse into workspace entry `entry`, O in the registers'
+    order (_chunk_at), the lse after all entries' rows."""
+    scale_rows(acc_o, inv_l)
+    base = mWS.iterator.toint()
+    for k in cutlass.range_constexpr(cute.size(acc_o) // 4):
+        _st_global_v4_f32([acc_o[4 * k + e] for e in range(4)], base + _chunk_at(entry, cw, ctid, k))
     if cw == 0 and ctid % 4 == 0:
         for hr in cutlass.range_constexpr(2):
             mWS[_lse_at(n_slots, entry, cluster) + r0 + 8 * hr] = lse[hr]
 
+
 @cute.jit
-def _fold_partial(acc_o: cute.Tensor, cur: cute.Tensor, tOcO: cute.Tensor, mWS: cute.Tensor, entry: Int32,
-                  n_slots: Int32, r0: Int32, cw: Int32, first, cluster: cutlass.Constexpr[int]):
+def _fold_partial(acc_o: cute.Tensor, cur: cute.Tensor, mWS: cute.Tensor, entry: Int32, n_slots: Int32, r0: Int32,
+                  cw: Int32, ctid: Int32, first, cluster: cutlass.Constexpr[int]):
     """acc_o (normalized, log-sum-exp cur per row) merged with workspace entry `entry` (normalized, its own
-    lse), or replaced by it where `first`. Plain loads, so that they issue together (each as ld.global.cg, a
-    strong load, they went out one after another: ~20 us a merge at the end of every slot on the H200): the
-    entry is this CTA's own (its stores passed through L1) or was flagged ready to an acquire load, whose
-    L1 invalidation (CCTL.IVALL) keeps stale lines of an earlier launch out."""
+    lse), or replaced by it where `first`. The entry holds this thread's values where it keeps them in acc_o
+    (_store_partial of the same thread of another piece), read in 16-byte loads after the weights are known, so
+    that each is folded as it arrives and its registers are free for the next. Plain loads (ld.global.cg, a
+    strong load, issued one after another: ~20 us a merge at the end of every slot on the H200): the entry is this CTA's own (its stores passed through L1) or was flagged ready
+    to an acquire load, whose L1 invalidation (CCTL.IVALL) keeps stale lines of an earlier launch out."""
     lse_base = _lse_at(n_slots, entry, cluster)
     ca = cute.make_rmem_tensor(2, Float32)
     cb = cute.make_rmem_tensor(2, Float32)
@@ -156,7 +162,35 @@ def _fold_partial(acc_o: cute.Tensor, cur: cute.Tensor, tOcO: cute.Tensor, mWS: 
                 cb[hr] = eb / (ea + eb)
                 lp = mx + cute.math.log2(ea + eb, fastmath=False) / _LOG2E
         cur[hr] = lp
-    row_base = entry * TILE_M * D_V + cw * HALF_V
-    for i in cutlass.range_constexpr(cute.size(acc_o)):
-        x = mWS[row_base + tOcO[i][0] * D_V + tOcO[i][1]]
-        acc_o[i] = acc_o[i] * ca[(i // 2) % 2] + x * cb[(i // 2) % 2]
+    base = mWS.iterator.toint()
+    for k in cutlass.range_constexpr(cute.size(acc_o) // 4):
+        v = _ld_global_v4_f32(base + _chunk_at(entry, cw, ctid, k))
+        for e in cutlass.range_constexpr(4):
+            acc_o[4 * k + e] = acc_o[4 * k + e] * ca[row_of(4 * k + e)] + v[e] * cb[row_of(4 * k + e)]
+
+
+def _chunk_at(entry: Int32, cw: Int32, ctid: Int32, k: int) -> Int64:
+    """The byte offset in the workspace of values 4k .. 4k + 3 of thread ctid of consumer cw in entry `entry`:
+    chunk k of all 128 threads of a consumer in a row (16 bytes a thread, so a warp's store or load of a chunk
+    is 512 contiguous bytes), the consumer's 32 chunks after each other, consumer 1 after consumer 0."""
+    return Int64(entry * TILE_M * D_V + cw * TILE_M * HALF_V + (k * WG_THREADS + ctid) * 4) * 4
+
+
+@dsl_user_op
+def _st_global_v4_f32(v: list, addr: Int64, *, loc=None, ip=None) -> None:
+    """4 fp32 as one 16-byte store at global address `addr` (16-byte aligned)."""
+    llvm.inline_asm(
+        None, [*(Float32(x).ir_value(loc=loc, ip=ip) for x in v), Int64(addr).ir_value(loc=loc, ip=ip)],
+        "st.global.v4.f32 [$4], {$0, $1, $2, $3};", "f,f,f,f,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _ld_global_v4_f32(addr: Int64, *, loc=None, ip=None) -> list:
+    """The 4 fp32 at global address `addr` (16-byte aligned), one 16-byte load. It keeps its place among the
+    kernel's other memory operations (after the acquire load of the entry's flag)."""
+    quad = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Float32(llvm.extractvalue(Float32.mlir_type, quad, [e])) for e in range(4)]
