@@ -31,8 +31,9 @@ from mlaserve.bench.shapes import DenseShape  # noqa: E402
 
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 DEFAULT = cd.persistent_clusters
+SK_MIN_TILES = cd.STREAM_K_MIN_TILES
 SHAPES = ((128, 2, 32768, 64), (128, 1, 32768, 128), (128, 1, 16384, 128), (128, 2, 4096, 128), (128, 1, 4096, 128))
-VARIANTS = ("all", "minus2", "minus6", "grid", "store4", "grid-store4")
+VARIANTS = ("all", "minus2", "minus6", "grid", "store4", "grid-store4", "tickets", "sk")
 FIELDS = cd.TRACE_FIELDS
 # mla_decode_kernel.T_*: SM, ns start / end, clock start / end, per consumer w at 5 + 4w: Q ready, first own tile
 # done, own tiles done, epilogue start; the producer's hand-over, Q load issued, first page issued
@@ -41,9 +42,12 @@ SM, NS0, NS1, C0, C1, Q, FIRST, LOOP, EPI, PUB, QLOAD, PAGE0, SUMS = 0, 1, 2, 3,
 
 def use(variant: str) -> None:
     """Set the module's launch choice (read at launch, so captured with each graph); "store4": O stored in the
-    accumulator's 4-byte pairs (mla_decode.STORE_16B off)."""
+    accumulator's 4-byte pairs (mla_decode.STORE_16B off); "tickets": whole items from the ticket counter; "sk":
+    the stream-K schedule wherever a launch is persistent (mla_decode.stream_k_pays' threshold 0)."""
     cd.PERSISTENT = not variant.startswith("grid")
     cd.STORE_16B = not variant.endswith("store4")
+    cd.STREAM_K = variant != "tickets"
+    cd.STREAM_K_MIN_TILES = 0 if variant == "sk" else SK_MIN_TILES
     fewer = {"minus2": 2, "minus6": 6}.get(variant, 0)
     cd.persistent_clusters = (lambda *a: max(DEFAULT(*a) - fewer, 0) if DEFAULT(*a) else 0) if fewer else DEFAULT
 
@@ -54,9 +58,16 @@ def max_active_clusters(size: int) -> int:
     return hw.get_max_active_clusters(size)
 
 
-def summarize(trace: torch.Tensor) -> str:
-    """One line about one traced launch: [items x cluster, FIELDS] int32 (SM, t0 ns, t1 ns, c0, c1)."""
+def _rows(trace: torch.Tensor) -> torch.Tensor:
+    """The trace's rows that an item or piece wrote (its end time set)."""
     t = trace[2:].view(-1, FIELDS).to(torch.int64)
+    return t[t[:, NS1] != 0]
+
+
+def summarize(trace: torch.Tensor) -> str:
+    """One line about one traced launch: [items (stream-K: pieces) x cluster, FIELDS] int32 (SM, t0 ns, t1 ns, c0,
+    c1); rows no piece wrote (stream-K's room for more pieces than it cut) left out."""
+    t = _rows(trace)
     sm, t0, t1, c0, c1 = t[:, :5].unbind(1)
     base = t0.min()
     t0, t1 = (t0 - base) % (1 << 32), (t1 - base) % (1 << 32)     # globaltimer_lo wraps every 4.3 s
@@ -83,20 +94,20 @@ def summarize(trace: torch.Tensor) -> str:
 def phases(trace: torch.Tensor) -> str:
     """An item's phases (medians over the items and CTAs that are not an SM's first, in thousands of SM clocks,
     relative to the consumers' start)."""
-    t = trace[2:].view(-1, FIELDS).to(torch.int64)
+    t = _rows(trace)
     later = torch.ones(len(t), dtype=torch.bool)
     for s in t[:, SM].unique():
         on = (t[:, SM] == s).nonzero().flatten()
         later[on[((t[on, NS0] - t[:, NS0].min()) % (1 << 32)).argmin()]] = False
     t = t[later]
 
-    def since(a: int, b: int) -> float:
-        return ((t[:, a] - t[:, b]) % (1 << 32)).double().median().item() / 1e3 if (t[:, a] != 0).any() else -1.0
-
-    def before(a: int, b: int) -> float:     # how long a came before b (negative: after)
+    def before(a: int, b: int) -> float:     # how long a came before b (negative: after); clocks wrap at 2^32
         d = (t[:, b] - t[:, a]) % (1 << 32)
         d = torch.where(d >= 1 << 31, d - (1 << 32), d)
         return d.double().median().item() / 1e3
+
+    def since(a: int, b: int) -> float:      # how long after b a came (negative: before)
+        return before(b, a) if (t[:, a] != 0).any() else -1.0
     parts = [f"{len(t)} later items: item {since(C1, C0):6.1f}"]
     for w in (0, 1):
         o = 4 * w
@@ -105,6 +116,23 @@ def phases(trace: torch.Tensor) -> str:
     parts.append(f"epilogue c0 {since(C1, EPI):5.2f} (sums {since(SUMS, EPI):5.2f})  producer: hand-over {before(PUB, C0):5.2f} before, Q load "
                  f"{before(QLOAD, C0):5.2f} before, page 0 {before(PAGE0, C0):5.2f} before the start")
     return "  ".join(parts)
+
+
+def epilogues_by_place(trace: torch.Tensor) -> str:
+    """Consumer 0's epilogue (thousands of SM clocks, medians) of each SM's first piece, its middle ones and its
+    last: in a stream-K launch the first is a cut item's continuation (it writes its partial) and the last its
+    first piece (it merges), where whole items have the plain epilogue."""
+    t = _rows(trace)
+    epi = ((t[:, C1] - t[:, EPI]) % (1 << 32)).double() / 1e3
+    first, middle, last = [], [], []
+    for s in t[:, SM].unique():
+        on = (t[:, SM] == s).nonzero().flatten()
+        on = on[((t[on, NS0] - t[:, NS0].min()) % (1 << 32)).argsort()]
+        first.append(epi[on[0]])
+        middle += epi[on[1:-1]].tolist()
+        last.append(epi[on[-1]])
+    med = lambda x: torch.tensor(x or [float("nan")], dtype=torch.float64).median().item()  # noqa: E731
+    return f"epilogue of an SM's first / middle / last piece {med(first):5.2f} / {med(middle):5.2f} / {med(last):5.2f}"
 
 
 def main() -> int:
@@ -157,14 +185,15 @@ def main() -> int:
                   + " us" + (f"  OUTPUTS DIFFER: {differ}" if differ else ""), flush=True)
             if args.trace:
                 cd.TRACE = True
-                for v in ("all", "store4"):
+                for v in ("tickets", "sk"):
                     use(v)
                     prep.calls[0]()
                     for i in range(2):
                         prep.calls[0]()
                         torch.cuda.synchronize()
                         trace = traces[f"{shape.key} set {rep} {v} {i}"] = cd.last_trace.cpu()
-                        print(f"  trace {v} {i}: {summarize(trace)}\n    {phases(trace)}", flush=True)
+                        print(f"  trace {v} {i}: {summarize(trace)}\n    {phases(trace)}\n    "
+                              f"{epilogues_by_place(trace)}", flush=True)
                 cd.TRACE = False
                 use("all")
             del graphs, prep, inputs, pad

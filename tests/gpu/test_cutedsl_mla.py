@@ -227,3 +227,25 @@ def test_fp8_grid_of_several_waves_takes_requests_longest_first(monkeypatch, s_q
     monkeypatch.setattr(cd, "LONGEST_FIRST", False)
     out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_traced_stream_k_launch_records_every_piece(monkeypatch):
+    """A traced stream-K launch (mla_decode.TRACE): the same bits as untraced, and one trace row per piece and CTA
+    with its SM and a start before its end (scripts/persistent_clusters_ab.py --trace reads them)."""
+    from mlaserve.kernels.triton import stream_k
+    monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", 0)
+    b, s_q, h = 150, 1, 128
+    lens = [1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=7)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    monkeypatch.setattr(cd, "TRACE", True)
+    out_t, lse_t = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+    slots = cd.persistent_clusters(b, s_q * h, False, False, 2, q.device)
+    sched = stream_k.reference_schedule(lens, 1, slots, cd.STREAM_K_OVERHEAD)
+    n_pieces = sum(len(p) for p in stream_k.pieces(sched, slots, stream_k.item_tiles(lens, 1)))
+    rows = cd.last_trace[2:].view(-1, cd.TRACE_FIELDS).cpu().to(torch.int64)
+    written = rows[rows[:, 2] != 0]
+    assert len(written) == 2 * n_pieces
+    assert ((written[:, 2] - written[:, 1]) % (1 << 32) > 0).all()
+

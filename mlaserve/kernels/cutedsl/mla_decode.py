@@ -167,7 +167,7 @@ TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_*
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
 # items where a share ends and merging their pieces in the kernel (stream_k.balanced_schedule), instead of whole
-# items drawn from a ticket counter (False; traced launches take tickets too)
+# items drawn from a ticket counter (False); traced, each piece is a row of last_trace
 STREAM_K = True
 STREAM_K_OVERHEAD = 2  # a piece's fixed cost in KV tiles (the traces: ~7.5 k cycles against ~3.0 k a tile)
 STREAM_K_MIN_TILES = 10  # ... taken where whole items would leave at least this many tiles a slot idle
@@ -320,6 +320,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     cache_seqlens int32 [b]. Returns out [b, s_q, h, 512] in q's dtype and lse float32 [b, s_q, h]
     (natural log; -inf and out 0 for rows with no visible key). Without `plan`, one is made here.
     """
+    global last_trace
     check_supported(q.shape, q.dtype, kv_cache.shape, kv_cache.dtype, head_dim_v)
     b, s_q, h, _ = q.shape
     if plan is None:
@@ -350,16 +351,21 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     grid_y = plan.num_splits
     clusters = persistent_clusters(b, s_q * h, kv_fp8, split, cluster, q.device)
     pairs = triton.cdiv(s_q * h, TILE_M) // cluster     # a request's work items (pairs of row tiles in clusters)
-    streamk = bool(clusters) and STREAM_K and not TRACE and stream_k_pays(b * pairs, clusters, block_table.shape[1])
+    streamk = bool(clusters) and STREAM_K and stream_k_pays(b * pairs, clusters, block_table.shape[1])
     if streamk:
         sched, po = stream_k_buffers(q.device)
-        pl = stream_k.balanced_schedule(cache_seqlens, pairs, clusters, STREAM_K_OVERHEAD, flags=3 * clusters * cluster,
-                                        out=sched)
+        flags = 3 * clusters * cluster
+        if TRACE:
+            # the schedule, its flags, then 2 unused values and TRACE_FIELDS per piece and CTA (at most items + slots
+            # pieces), as the ticket launches' trace after their counters
+            sched = torch.zeros(stream_k.schedule_numel(clusters, flags) + 2
+                                + (b * pairs + clusters) * cluster * TRACE_FIELDS, dtype=torch.int32, device=q.device)
+            last_trace = sched[stream_k.schedule_numel(clusters, flags):]
+        pl = stream_k.balanced_schedule(cache_seqlens, pairs, clusters, STREAM_K_OVERHEAD, flags=flags, out=sched)
         grid_y = clusters
     elif clusters:
         po, grid_y = scheduler_counters(q.device), clusters
         if TRACE:
-            global last_trace
             po = last_trace = torch.zeros(2 + b * triton.cdiv(s_q * h, TILE_M) * TRACE_FIELDS, dtype=torch.int32,
                                           device=q.device)
         pl = (longest_first(cache_seqlens) if LONGEST_FIRST

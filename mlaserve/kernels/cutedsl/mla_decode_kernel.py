@@ -152,8 +152,8 @@ class MLADecodeSm90:
         self.streamk = streamk
         # each consumer's row sums published once final (publish_row_sums), not exchanged after both P Vs
         self.early_sums = early_sums
-        if streamk and (not persistent or trace):
-            raise ValueError("streamk is a persistent launch's schedule, not traced")
+        if streamk and not persistent:
+            raise ValueError("streamk is a persistent launch's schedule")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -187,7 +187,11 @@ class MLADecodeSm90:
                 stride=(cute.assume(num_splits * rows * D_V, divby=D_V), rows_dv, D_V, 1)))
         if const_expr(self.streamk):
             # the schedule (W, I, CONT) and the pieces' flags (arrivals per cut item, partial ready per piece)
-            mPL = cute.make_tensor(pl_ptr, cute.make_layout(3 * num_splits + 2 + 3 * num_splits * self.cluster))
+            # (traced: then 2 unused and TRACE_FIELDS per piece and CTA, at most items + slots pieces)
+            mPL = cute.make_tensor(pl_ptr, cute.make_layout(
+                3 * num_splits + 2 + 3 * num_splits * self.cluster
+                + (2 + (batch * cute.ceil_div(rows, TILE_M) // self.cluster + num_splits) * self.cluster * TRACE_FIELDS
+                   if const_expr(self.trace) else 0)))
         elif const_expr(self.persistent):
             mPL = cute.make_tensor(pl_ptr, cute.make_layout(batch))     # the order in which requests are taken
         else:
@@ -326,13 +330,20 @@ class MLADecodeSm90:
                 elif const_expr(self.streamk):
                     # the slot's pieces, as the consumers walk them (stream_k_pieces)
                     item, lo, pos, w1, i_end = first_piece(mPL, by, num_splits)
+                    mTrace = self._stream_k_trace(mPL, num_splits)
+                    piece = mPL[num_splits + 1 + by] + by      # the slot's first piece's trace index
                     while item < i_end:
                         batch_i, m_block_i, seqlen_i, n_i, hi = piece_of(mSeqlens, item, lo, pos, w1, rank,
                                                                          self.cluster)
+                        slot = piece * self.cluster + rank
+                        if const_expr(self.trace):
+                            if cute.arch.lane_idx() == 0:
+                                self._trace(mTrace, slot, T_PUB, cute.arch.clock())
                         kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe,
                                                       q_state, kv_state, batch_i, m_block_i, lo * TILE_N, hi - lo,
-                                                      rank)
+                                                      rank, mTrace, slot)
                         q_state.advance()
+                        piece = piece + 1
                         pos = pos + hi - lo
                         item = item + 1
                         lo = Int32(0)
@@ -360,15 +371,28 @@ class MLADecodeSm90:
                 if const_expr(self.cluster > 1):
                     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
                 item, lo, pos, w1, i_end = first_piece(mPL, by, num_splits)
+                mTrace = self._stream_k_trace(mPL, num_splits)
+                piece = mPL[num_splits + 1 + by] + by      # the slot's first piece's trace index (traced launches)
                 g = Int32(0)             # tiles of this CTA's earlier pieces (the ring's and the seesaw's count)
                 while item < i_end:
                     batch_i, m_block_i, seqlen_i, n_i, hi = piece_of(mSeqlens, item, lo, pos, w1, rank, self.cluster)
                     ops[8].fill(0.0)     # acc_o
+                    slot = piece * self.cluster + rank
+                    if const_expr(self.trace):
+                        if cw == 0 and ctid == 0:
+                            self._trace(mTrace, slot, T_SM, cute.arch.smid())
+                            self._trace(mTrace, slot, T_NS0, cute.arch.globaltimer_lo())
+                            self._trace(mTrace, slot, T_C0, cute.arch.clock())
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, lo * TILE_N, hi - lo,
-                                       g, batch_i, 0, m_block_i, s_q, h, rows, scale_log2, 0,
-                                       (item, lo, hi, n_i, by, num_splits, rank, storage))
+                                       g, batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot,
+                                       (item, lo, hi, n_i, by, num_splits, rank, storage), mTrace)
+                    if const_expr(self.trace):
+                        if cw == 0 and ctid == 0:
+                            self._trace(mTrace, slot, T_NS1, cute.arch.globaltimer_lo())
+                            self._trace(mTrace, slot, T_C1, cute.arch.clock())
                     q_state.advance()
+                    piece = piece + 1
                     g = g + hi - lo
                     pos = pos + hi - lo
                     item = item + 1
@@ -441,12 +465,15 @@ class MLADecodeSm90:
                       tiled_mma_pv_rs: cute.TiledMma, sKV: cute.Tensor, sMax: cute.Tensor, sSum: cute.Tensor,
                       mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, cw: Int32, ctid: Int32,
                       seqlen: Int32, start: Int32, n_tiles: Int32, g, batch: Int32, split: Int32, m_block: Int32,
-                      s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32, trace_slot: Int32 = 0, piece=None):
+                      s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32, trace_slot: Int32 = 0, piece=None,
+                      mTrace=None):
         """One consumer's part of one (request, row tile, split): its tiles of the seesaw, then its half of the
         output. `g` counts the tiles this CTA ran before (persistent launches; 0 otherwise): ring stage and owner
         of the item's tile t are those of tile g + t. `piece` (stream-K launches): (item, first tile, end tile,
-        the item's tiles, slot, slots, cluster rank, smem storage) for merge_piece."""
+        the item's tiles, slot, slots, cluster rank, smem storage) for merge_piece. `mTrace`: where traced
+        launches record (mPO by default; stream-K launches' is in the schedule's buffer)."""
         (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
+        mT = mPO if mTrace is None else mTrace
         # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
         # the row), shared with the three other lanes of its quad.
         r0 = (ctid // 32) * 16 + (ctid % 32) // 4
@@ -462,7 +489,7 @@ class MLADecodeSm90:
         q_pipe.consumer_wait(q_state)
         if const_expr(self.trace):
             if ctid == 0:
-                self._trace(mPO, trace_slot, T_Q + 4 * cw, cute.arch.clock())
+                self._trace(mT, trace_slot, T_Q + 4 * cw, cute.arch.clock())
         first = cw
         if const_expr(self.persistent):
             first = (cw + g) % 2
@@ -528,11 +555,11 @@ class MLADecodeSm90:
             kv_pipe.consumer_release(own)
             if const_expr(self.trace):
                 if ctid == 0 and t < first + 2:
-                    self._trace(mPO, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
+                    self._trace(mT, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
 
         if const_expr(self.trace):
             if ctid == 0:
-                self._trace(mPO, trace_slot, T_LOOP + 4 * cw, cute.arch.clock())
+                self._trace(mT, trace_slot, T_LOOP + 4 * cw, cute.arch.clock())
         # the last tile is the other consumer's: its P into this half of O, this consumer's row sums (final once
         # rescaled to that tile's max) published while the wgmma runs
         if n_tiles > 0 and (g + n_tiles - 1) % 2 != cw:
@@ -554,7 +581,7 @@ class MLADecodeSm90:
             q_pipe.consumer_release(q_state)
         if const_expr(self.trace):
             if ctid == 0:
-                self._trace(mPO, trace_slot, T_EPI + 4 * cw, cute.arch.clock())
+                self._trace(mT, trace_slot, T_EPI + 4 * cw, cute.arch.clock())
 
         # -- epilogue: whole row sums (both consumers', at the final max), normalize, store --
         inv_l = cute.make_rmem_tensor(2, Float32)
@@ -568,7 +595,7 @@ class MLADecodeSm90:
                 cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=CONSUMER_THREADS)
         if const_expr(self.trace):
             if ctid == 0 and cw == 0:
-                self._trace(mPO, trace_slot, T_SUMS, cute.arch.clock())
+                self._trace(mT, trace_slot, T_SUMS, cute.arch.clock())
         owner = Int32(1)         # this CTA stores the rows' output (stream-K: not a piece another one merges)
         if const_expr(self.streamk):
             owner = merge_piece(acc_o, inv_l, lse, mPO, mPL, r0, cw, ctid, piece, self.cluster)
@@ -608,6 +635,16 @@ class MLADecodeSm90:
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 if m_block * TILE_M + tOcO[i][0] < rows:
                     tOgO[i] = rO[i]
+
+    # -- stream-K launches: a static schedule of balanced slots (mlaserve.kernels.triton.stream_k) --
+
+    def _stream_k_trace(self, mSched: cute.Tensor, n_slots: Int32):
+        """Traced stream-K launches: the trace in the schedule's buffer after its flags, as a tensor that _trace
+        indexes like the ticket launches' (2 values before the first piece's fields); None untraced."""
+        if const_expr(not self.trace):
+            return None
+        return cute.make_tensor(mSched.iterator + (3 * n_slots + 2 + 3 * n_slots * self.cluster),
+                                cute.make_layout(cute.size(mSched) - (3 * n_slots + 2 + 3 * n_slots * self.cluster)))
 
     # -- persistent launches: the work-item scheduler --
 
