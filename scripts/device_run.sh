@@ -19,6 +19,8 @@
 #                                                 suite cannot lose the others' rows: they merge in kernels.json)
 #   BENCH_BACKENDS    all                          comma list: torch,triton,cutedsl,flashinfer,sglang
 #   BENCH_SHAPES      ""                           comma list of substrings of shape keys ("sq1 sk8192", "decode b128")
+#   BENCH_ARGS        ""                           more `bench kernels` flags, e.g. "--rounds 15 --rep-ms 150" (more
+#                                                 interleaved rounds: the SM clock moves +-10% from round to round)
 #   PYTEST_ARGS       tests/gpu                    what the pytest phase runs
 #   phase "cutedsl"   scripts/cutedsl_check.py and scripts/cutedsl_sparse_check.py (the CuTe DSL kernels against
 #                     the reference, then their timings) into cutedsl.log / cutedsl_sparse.log; needs the DSL on
@@ -217,6 +219,8 @@ if has_phase bench; then
     budget=$((lim - 35)); if [ "$budget" -lt 5 ]; then budget=5; fi
     flags=(--suite "$suite" --backends "${BENCH_BACKENDS:-all}" --out "$OUT" --disable-tqdm --time-budget "$budget")
     if [ -n "${BENCH_SHAPES:-}" ]; then flags+=(--shapes "$BENCH_SHAPES"); fi
+    # shellcheck disable=SC2206  # BENCH_ARGS is words on purpose, e.g. "--rounds 15 --rep-ms 150"
+    if [ -n "${BENCH_ARGS:-}" ]; then flags+=($BENCH_ARGS); fi
     if [ $first = 0 ]; then flags+=(--no-limits); fi   # limits measured once, kept by the merge
     run_phase "bench-$suite" "$lim" "$OUT/bench.log" python3 -m mlaserve.cli bench kernels "${flags[@]}"
     first=0
