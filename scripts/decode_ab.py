@@ -8,6 +8,8 @@ switches, read at launch (so captured with each graph):
                  with STREAM_K off)
   STREAM_K       cutedsl: persistent launches on a static balanced schedule, items cut and merged in the kernel,
                  against whole items drawn from a ticket counter
+  CLUSTER4       cutedsl: clusters of 4 CTAs (one KV load multicast to a request's four 64-row tiles, h 128 s_q 2)
+                 against pairs
   GRID_ORDER     triton: grids of more than one wave taking requests longest first (work_order.grid_order)
                  against batch order
   EARLY_SUMS     cutedsl: each consumer's row sums published once final against exchanged after both P Vs
@@ -54,12 +56,22 @@ def _grid_order(on: bool):
     td.grid_order = wo.grid_order if on else (lambda *args: None)
 
 
+def _cluster4(on: bool):
+    """Clusters of 4 CTAs wherever a request's 64-row tiles come in fours (h 128 s_q 2: 256 rows), else the
+    module's choice."""
+    cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    default = _cluster4.__dict__.setdefault("default", cd.cluster_size)
+    cd.cluster_size = ((lambda rows, kv_fp8: 4 if not kv_fp8 and -(-rows // cd.TILE_M) % 4 == 0
+                        else default(rows, kv_fp8)) if on else default)
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
     "LONGEST_FIRST": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LONGEST_FIRST")),
     "STREAM_K": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STREAM_K")),
     "EARLY_SUMS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "EARLY_SUMS")),
+    "CLUSTER4": ("cutedsl", _cluster4),
     "GRID_ORDER": ("triton", _grid_order),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
@@ -97,6 +109,9 @@ def main() -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--switch", default="PERSISTENT", choices=tuple(SWITCHES))
     ap.add_argument("--rounds", type=int, default=30, help="interleaved rounds (limits.interleaved_us)")
+    ap.add_argument("--sustain-ms", type=float, default=0,
+                    help="time each turn over back-to-back calls for this long (after as long a warm-up), at the "
+                         "clock the GPU holds under load, instead of one call (limits.interleaved_us)")
     args = ap.parse_args()
     backend, switch = SWITCHES[args.switch]
     dev = torch.device("cuda")
@@ -125,7 +140,7 @@ def main() -> int:
             pass
         except Exception as e:   # FlashInfer missing or failing: the A/B stands without it
             print(f"  flashinfer: {type(e).__name__}: {str(e)[:120]}", flush=True)
-        times = interleaved_us(runs, dev, args.rounds)
+        times = interleaved_us(runs, dev, args.rounds, sustain_ms=args.sustain_ms)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"{spec:28s} {args.switch} on {med['on']:8.1f} us  off {med['off']:8.1f} us  "
               f"off/on {ratio_median(times, 'off', 'on'):.3f}x"

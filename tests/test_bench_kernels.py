@@ -267,6 +267,26 @@ def test_interleaved_rounds_take_turns_and_compare_per_round():
     assert ratio_median(times, "fast", "fast") == 1.0
 
 
+def test_sustained_rounds_time_back_to_back_calls_in_turns():
+    """interleaved_us(sustain_ms=...): each turn is several back-to-back calls (limits.time_us), the runs still
+    taking turns with the order rotating, one time per run a round."""
+    from mlaserve.bench.limits import interleaved_us, ratio_median
+    calls = []
+
+    def make(name, seconds):
+        def fn():
+            calls.append(name)
+            time.sleep(seconds)
+        return fn
+    runs = {"a": [make("a", 0.001)], "b": [make("b", 0.003)], "c": [make("c", 0.001)]}
+    times = interleaved_us(runs, torch.device("cpu"), rounds=2, sustain_ms=5)
+    assert [len(v) for v in times.values()] == [2, 2, 2]
+    turns = [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]
+    assert turns == ["a", "b", "c", "b", "c", "a"]
+    assert len(calls) >= 6 * 3          # time_us on the CPU: at least 3 calls a turn
+    assert ratio_median(times, "b", "a") > 1.5
+
+
 def test_peer_ratio_is_the_median_of_per_round_ratios_where_rounds_were_interleaved():
     """Rows of one shape and KV timed in the same rounds compare round by round (the clock drifts between rounds);
     rows without rounds, or of another KV, by their medians."""

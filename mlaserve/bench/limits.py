@@ -54,7 +54,7 @@ def time_us(fns: list[Callable[[], object]], device: torch.device, warmup_ms: fl
 
 
 def interleaved_us(runs: dict[str, list[Callable[[], object]]], device: torch.device, rounds: int = 30,
-                   flush_bytes: int = 256 << 20) -> dict[str, list[float]]:
+                   flush_bytes: int = 256 << 20, sustain_ms: float = 0) -> dict[str, list[float]]:
     """Each run's time of one call in µs per round: the runs take turns, one call each a round (rotating among a
     run's calls, one per input set), the order rotating from round to round.
 
@@ -62,9 +62,18 @@ def interleaved_us(runs: dict[str, list[Callable[[], object]]], device: torch.de
     one after the other can differ by more than what is being measured; in turns, each round's calls run at
     about the same clock, and the median over rounds of a run's time divided by another's (`ratio_median`)
     compares them. CUDA: L2 cleared before each call, events around it; CPU: wall clock.
+
+    sustain_ms > 0: each turn is `time_us` over back-to-back calls instead (sustain_ms of warm-up, then as
+    long again timed, as `bench kernels` times), so that the GPU runs at the clock its power limit holds under
+    load rather than at the higher one a single call after a pause gets.
     """
     names = list(runs)
     times: dict[str, list[float]] = {k: [] for k in names}
+    if sustain_ms > 0:
+        for r in range(rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                times[k].append(time_us(runs[k], device, sustain_ms, sustain_ms))
+        return times
     cuda = device.type == "cuda"
     flush = torch.empty(flush_bytes, dtype=torch.int8, device=device) if cuda else None
     for r in range(rounds):
