@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--switch", default="PERSISTENT", choices=tuple(SWITCHES))
     ap.add_argument("--rounds", type=int, default=30, help="interleaved rounds (limits.interleaved_us)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="inputs' seed (their page placement among them; default b + h; `bench kernels` uses 0)")
     ap.add_argument("--sustain-ms", type=float, default=0,
                     help="time each turn over back-to-back calls for this long (after as long a warm-up), at the "
                          "clock the GPU holds under load, instead of one call (limits.interleaved_us)")
@@ -119,7 +121,7 @@ def main() -> int:
     for spec in args.shapes.split(","):
         shape = parse_shape(spec)
         make = bench_inputs.make_sparse if isinstance(shape, SparseShape) else bench_inputs.make_dense
-        inputs = make(shape, dev, seed=shape.b + shape.h, rotate_bytes=256 << 20)
+        inputs = make(shape, dev, seed=shape.b + shape.h if args.seed is None else args.seed, rotate_bytes=256 << 20)
         prep = runners.prepare_ops(backend, shape, inputs)
         on, off = graphs(prep, switch, True), graphs(prep, switch, False)
         out_on = prep.calls[0]()[0]
