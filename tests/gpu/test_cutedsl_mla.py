@@ -146,6 +146,28 @@ def test_16_byte_stores_equal_the_accumulator_layout_stores(monkeypatch, b, s_q,
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles", [
+    (8, 2, 64, 1, None),        # a grid (too few items to run persistent)
+    (200, 1, 128, 1, None),     # persistent, tickets
+    (150, 2, 128, 1, 0),        # persistent, stream-K (every case cut)
+    (4, 1, 128, 4, None),       # split
+])
+def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, min_tiles):
+    """EARLY_SUMS (each consumer's row sums published once final) against the exchange after both P Vs (the
+    default): the same bits, on ragged lengths with empty and one-token requests."""
+    if min_tiles is not None:
+        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + s_q)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, "EARLY_SUMS", not cd.EARLY_SUMS)
+    out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("b, s_q, h, num_splits", [(8, 1, 128, 1), (5, 1, 80, 1), (4, 1, 128, 4), (3, 1, 80, 3)])
 def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h, num_splits):
     """The 64-row FP8 kernel's 16-byte stores (of O or the fp32 split partials): the same bits as its

@@ -161,8 +161,11 @@ TRACE = False
 # within each quad (False: the accumulator's 4/8-byte pairs, or value by value; for A/B runs)
 STORE_16B = True
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
-# normalizes and stores while the other still adds that tile's P V (False: both exchange them after; for A/B runs)
-EARLY_SUMS = True
+# normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
+# (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
+# 0.1-1.8% faster at every 128-row shape, the same bits (bench/NOTES.md 61); the early form stays for the FP8 kernel
+# and for A/B runs
+EARLY_SUMS = False
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
