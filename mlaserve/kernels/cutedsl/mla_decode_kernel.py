@@ -378,19 +378,12 @@ class MLADecodeSm90:
                     batch_i, m_block_i, seqlen_i, n_i, hi = piece_of(mSeqlens, item, lo, pos, w1, rank, self.cluster)
                     ops[8].fill(0.0)     # acc_o
                     slot = piece * self.cluster + rank
-                    if const_expr(self.trace):
-                        if cw == 0 and ctid == 0:
-                            self._trace(mTrace, slot, T_SM, cute.arch.smid())
-                            self._trace(mTrace, slot, T_NS0, cute.arch.globaltimer_lo())
-                            self._trace(mTrace, slot, T_C0, cute.arch.clock())
+                    self._trace_item(mTrace, slot, cw, ctid, True)
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, lo * TILE_N, hi - lo,
                                        g, batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot,
                                        (item, lo, hi, n_i, by, num_splits, rank, storage), mTrace)
-                    if const_expr(self.trace):
-                        if cw == 0 and ctid == 0:
-                            self._trace(mTrace, slot, T_NS1, cute.arch.globaltimer_lo())
-                            self._trace(mTrace, slot, T_C1, cute.arch.clock())
+                    self._trace_item(mTrace, slot, cw, ctid, False)
                     q_state.advance()
                     piece = piece + 1
                     g = g + hi - lo
@@ -413,18 +406,11 @@ class MLADecodeSm90:
                     n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
                     ops[8].fill(0.0)     # acc_o
                     slot = item * self.cluster + rank     # this CTA's part of the item (traced launches)
-                    if const_expr(self.trace):
-                        if cw == 0 and ctid == 0:
-                            self._trace(mPO, slot, T_SM, cute.arch.smid())
-                            self._trace(mPO, slot, T_NS0, cute.arch.globaltimer_lo())
-                            self._trace(mPO, slot, T_C0, cute.arch.clock())
+                    self._trace_item(mPO, slot, cw, ctid, True)
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, 0, n_tiles_i, g,
                                        batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot)
-                    if const_expr(self.trace):
-                        if cw == 0 and ctid == 0:
-                            self._trace(mPO, slot, T_NS1, cute.arch.globaltimer_lo())
-                            self._trace(mPO, slot, T_C1, cute.arch.clock())
+                    self._trace_item(mPO, slot, cw, ctid, False)
                     q_state.advance()
                     g = g + n_tiles_i
                     item, item_state = self._next_item(item_pipe, item_state, storage)
@@ -652,6 +638,20 @@ class MLADecodeSm90:
     def _trace(self, mSched: cute.Tensor, slot: Int32, field: int, value: Int32):
         """Traced launches: field `field` of item-and-CTA `slot` (TRACE_FIELDS) after the scheduler's counters."""
         mSched[2 + slot * TRACE_FIELDS + field] = value
+
+    @cute.jit
+    def _trace_item(self, mSched: cute.Tensor, slot: Int32, cw: Int32, ctid: Int32, start: cutlass.Constexpr[bool]):
+        """Traced launches, consumer 0's first thread: an item's (stream-K: a piece's) SM, start time and clock
+        (`start`), or its end time and clock. Nothing untraced."""
+        if const_expr(self.trace):
+            if cw == 0 and ctid == 0:
+                if const_expr(start):
+                    self._trace(mSched, slot, T_SM, cute.arch.smid())
+                    self._trace(mSched, slot, T_NS0, cute.arch.globaltimer_lo())
+                    self._trace(mSched, slot, T_C0, cute.arch.clock())
+                else:
+                    self._trace(mSched, slot, T_NS1, cute.arch.globaltimer_lo())
+                    self._trace(mSched, slot, T_C1, cute.arch.clock())
 
     @cute.jit
     def _init_scheduler(self, storage, tidx: Int32):
