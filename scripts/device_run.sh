@@ -30,6 +30,9 @@
 #   phase "gluon"     scripts/gluon_check.py and scripts/gluon_narrow_check.py (the Gluon decodes, bf16 and FP8 KV,
 #                     against the reference, timed beside the tl kernel) into gluon.log; T_GLUON 200 each
 #   phase "script"    bash -c "$SCRIPT_CMD" after the tests, before the benchmark, into script.log; T_SCRIPT 150
+#   phase "ncu"       Nsight Compute (--set NCU_SET, default full; clocks left alone) over one call of each of
+#                     NCU_RUNS (scripts/ncu_profile.py: "BACKEND SHAPE,..."), into ncu.log, ncu_details.csv,
+#                     ncu_raw.csv.gz and ncu_source.csv.gz (per SASS instruction); T_NCU 240
 #   phase "splits"    scripts/split_sweep.py (small-batch KV split counts, timed as the benchmark) for triton, then for
 #                     cutedsl where the DSL is on the machine, into splits.log; T_SPLITS 120 each
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
@@ -196,6 +199,22 @@ if has_phase script; then
   else
     say "== script: SCRIPT_CMD is empty"
   fi
+fi
+
+# -- Nsight Compute's counters for one call of each of NCU_RUNS (scripts/ncu_profile.py), its pages as CSV --
+if has_phase ncu; then
+  rm -f /tmp/prof.ncu-rep
+  run_phase ncu-profile "$(limit "${T_NCU:-240}")" "$OUT/ncu.log" ncu --clock-control none --profile-from-start off \
+    --set "${NCU_SET:-full}" --import-source no -f -o /tmp/prof python3 scripts/ncu_profile.py \
+    --runs "${NCU_RUNS:-cutedsl b128 h128 sq2 sk4096,flashinfer b128 h128 sq2 sk4096}"
+  if [ -f /tmp/prof.ncu-rep ]; then
+    ncu --import /tmp/prof.ncu-rep --page details --csv >"$OUT/ncu_details.csv" 2>>"$OUT/ncu.log"
+    ncu --import /tmp/prof.ncu-rep --page raw --csv 2>>"$OUT/ncu.log" | gzip >"$OUT/ncu_raw.csv.gz"
+    ncu --import /tmp/prof.ncu-rep --page source --csv --print-source sass 2>>"$OUT/ncu.log" \
+      | gzip >"$OUT/ncu_source.csv.gz"
+    say "== ncu: report $(du -h /tmp/prof.ncu-rep | cut -f1), details $(wc -l <"$OUT/ncu_details.csv") lines"
+  fi
+  tail -n 20 "$OUT/ncu.log" | tee -a "$LOG"
 fi
 
 if [ -n "${WARM_PID:-}" ]; then
