@@ -13,6 +13,8 @@ switches, read at launch (so captured with each graph):
   GRID_ORDER     triton: grids of more than one wave taking requests longest first (work_order.grid_order)
                  against batch order
   EARLY_SUMS     cutedsl: each consumer's row sums published once final against exchanged after both P Vs
+  RANK_ORDER     cutedsl: ticket launches ranking the requests by length in the kernel against the order kernel
+                 launched before it (work_order.longest_first)
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -71,6 +73,7 @@ SWITCHES = {
     "LONGEST_FIRST": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LONGEST_FIRST")),
     "STREAM_K": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STREAM_K")),
     "EARLY_SUMS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "EARLY_SUMS")),
+    "RANK_ORDER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "RANK_ORDER")),
     "CLUSTER4": ("cutedsl", _cluster4),
     "GRID_ORDER": ("triton", _grid_order),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),

@@ -84,6 +84,31 @@ def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dt
     assert torch.equal(out, out3) and torch.equal(lse, lse3)
 
 
+@pytest.mark.parametrize("b, s_q, h, lens_kind", [
+    (256, 1, 128, "ties"),     # the most requests ranked in the kernel; lengths in three values and zeros
+    (150, 2, 64, "ragged"),
+    (257, 1, 128, "ties"),     # one more: the order kernel's
+])
+def test_requests_ranked_in_the_kernel_give_the_order_kernels_bits(monkeypatch, b, s_q, h, lens_kind):
+    """Ticket launches of at most RANK_ORDER_MAX_B requests rank them by length in each CTA (RANK_ORDER) instead
+    of reading work_order.longest_first's order: with ties and empty requests among them, every request is
+    computed once (against the reference) and the bits are the order kernel's."""
+    monkeypatch.setattr(cd, "STREAM_K", False)
+    assert cd.RANK_ORDER and cd.LONGEST_FIRST
+    lens = ([0 if i % 7 == 3 else 64 * (1 + i % 3) + (i % 2) for i in range(b)] if lens_kind == "ties"
+            else [1 + (389 * i) % 1500 for i in range(b)])
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + 1)
+    c = cd.cluster_size(s_q * h, False)
+    assert cd.persistent_clusters(b, s_q * h, False, False, c, q.device) > 0, "the case must run persistent"
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    monkeypatch.setattr(cd, "RANK_ORDER", False)
+    out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
 @pytest.mark.parametrize("lens_kind, b, s_q, h, cluster, dtype", [
     ("ragged", 300, 1, 16, None, torch.bfloat16),   # one CTA a slot, 132 slots; 16 rows: a partial row block
     ("ragged", 150, 1, 128, None, torch.bfloat16),  # 2-CTA clusters, 66 slots

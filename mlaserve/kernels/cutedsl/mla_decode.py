@@ -154,6 +154,13 @@ PERSISTENT = True
 # persistent launches, and FP8 grids of more than one wave, take requests longest first (False: in batch order;
 # for A/B runs)
 LONGEST_FIRST = True
+# persistent ticket launches of at most RANK_ORDER_MAX_B requests rank them by length in the kernel (each CTA, before
+# its first load) instead of in a kernel launch of their own before it (work_order.longest_first: ~5 us a call on the
+# H200 under ncu, besides its launch). Interleaved on the H200, kernel / order kernel: b 128 h 128 s_k 4096 s_q 1 / 2
+# 1.011 / 1.007x, variable lengths 1.011x, h 64 s_q 2 1.008x, longer steps level (bench/NOTES.md 62). False: the
+# order kernel (for A/B runs)
+RANK_ORDER = True
+RANK_ORDER_MAX_B = 256     # mla_decode_kernel.ORDER_MAX_B (its smem holds the order as int16)
 # a diagnostic of persistent launches (scripts/persistent_clusters_ab.py --trace): each item's SM, start and end and
 # the clocks of its phases, left in `last_trace` after each launch (eager calls only)
 TRACE = False
@@ -250,7 +257,7 @@ def fp8_narrow_cols(rows: int) -> int:
 
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
-            streamk: bool = False, early_sums: bool = True):
+            streamk: bool = False, early_sums: bool = True, rank_order: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
@@ -268,6 +275,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("streamk",)
     if not early_sums:
         key += ("late-sums",)
+    if rank_order:
+        key += ("rank-order",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -288,7 +297,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
             fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
                                                  persistent=persistent, trace=trace, store16=store16,
-                                                 streamk=streamk, early_sums=early_sums),
+                                                 streamk=streamk, early_sums=early_sums, rank_order=rank_order),
                               *_pointers(dtype, (None,) * 8, persistent, streamk), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
@@ -355,6 +364,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     clusters = persistent_clusters(b, s_q * h, kv_fp8, split, cluster, q.device)
     pairs = triton.cdiv(s_q * h, TILE_M) // cluster     # a request's work items (pairs of row tiles in clusters)
     streamk = bool(clusters) and STREAM_K and stream_k_pays(b * pairs, clusters, block_table.shape[1])
+    rank_order = False
     if streamk:
         sched, po = stream_k_buffers(q.device)
         flags = 3 * clusters * cluster
@@ -371,8 +381,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         if TRACE:
             po = last_trace = torch.zeros(2 + b * triton.cdiv(s_q * h, TILE_M) * TRACE_FIELDS, dtype=torch.int32,
                                           device=q.device)
-        pl = (longest_first(cache_seqlens) if LONGEST_FIRST
-              else torch.arange(b, dtype=torch.int32, device=q.device))
+        rank_order = LONGEST_FIRST and RANK_ORDER and b <= RANK_ORDER_MAX_B
+        if rank_order:
+            pl = cache_seqlens     # unused: each CTA ranks the requests itself
+        else:
+            pl = (longest_first(cache_seqlens) if LONGEST_FIRST
+                  else torch.arange(b, dtype=torch.int32, device=q.device))
     narrow = fp8_narrow_cols(s_q * h) if kv_fp8 else 0
     order = None
     if kv_fp8 and not narrow and LONGEST_FIRST:
@@ -386,7 +400,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
-                 streamk, EARLY_SUMS or kv_fp8)
+                 streamk, EARLY_SUMS or kv_fp8, rank_order)
     fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),

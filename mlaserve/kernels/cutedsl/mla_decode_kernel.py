@@ -49,8 +49,10 @@ ran g tiles before) and the barriers run on across items; Q is released after th
 next item's Q and first pages load while this one's last P V and epilogue run (in a grid, each SM waits for
 a CTA to exit before the next one starts loading). Against the grid on the H200 (bench/NOTES.md items 47, 50):
 2.3% faster in the geometric mean of 13 shapes of 128-256 rows a request, from +9.6% to -3.6%. Requests are
-taken longest first (an order computed on the GPU each step, work_order.longest_first), so that the last items
-drawn are the short ones and the SMs finish together when lengths vary.
+taken longest first, so that the last items drawn are the short ones and the SMs finish together when lengths
+vary: up to ORDER_MAX_B requests ranked by each CTA's producer warpgroup before its first load (rank_order; ncu
+on the H200 put the separate order kernel, work_order.longest_first, at ~5 us a call besides its launch, and
+dropping it made b 128 h 128 s_k 4096 steps 0.5-1.1% faster), more in an order computed by that kernel.
 
 Stream-K persistent launches (mla_decode.stream_k_pays: where whole items would leave the clusters idle through a
 last round, e.g. b 128 h 128 s_q 2 = 256 items on 66 clusters, 3.88 rounds run as 4): a static schedule
@@ -94,6 +96,8 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
+BAR_ORDER = 9         # the producer warpgroup's 128 threads, around the requests' ranking (rank_order)
+ORDER_MAX_B = 256     # rank_order: requests a launch may have (their order is int16 in smem, in the padding before sQ)
 ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
@@ -127,11 +131,13 @@ def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
 
 
 class MLADecodeSm90:
-    """Compiled per (dtype, causal, split, cluster, persistent, trace, store16, streamk, early_sums). Launched by
+    """Compiled per (dtype, causal, split, cluster, persistent, trace, store16, streamk, early_sums, rank_order).
+    Launched by
     mla_decode.py through `__call__` (a cute.jit host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
-                 trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True):
+                 trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
+                 rank_order: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -154,6 +160,11 @@ class MLADecodeSm90:
         self.early_sums = early_sums
         if streamk and not persistent:
             raise ValueError("streamk is a persistent launch's schedule")
+        # ticket launches: each CTA ranks the requests by length itself (longest first, _rank_requests) instead of
+        # reading their order from mPL (work_order.longest_first, a kernel launch of its own before this one)
+        self.rank_order = rank_order
+        if rank_order and (not persistent or streamk):
+            raise ValueError("rank_order is an order of a persistent ticket launch's requests")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -164,7 +175,7 @@ class MLADecodeSm90:
         out [b, s_q * h, 512] (q's dtype), lse fp32 [b, s_q * h]; partials (split only) fp32
         [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]. Persistent launches pass the scheduler's
         int32 [2] counters in po's place and the order of the requests (int32 [b], work_order.longest_first)
-        in pl's."""
+        in pl's (rank_order: pl is unused, b <= ORDER_MAX_B)."""
         rows = s_q * h
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
         mKV = cute.make_tensor(kv_ptr, cute.make_layout((num_pages * TILE_N, D_QK), stride=(D_QK, 1)))
@@ -242,6 +253,7 @@ class MLADecodeSm90:
             arrivals: cute.struct.MemRange[Int32, 2]              # stream-K: a piece's arrival count, broadcast
             row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
+            order: cute.struct.MemRange[cutlass.Int16, ORDER_MAX_B]  # rank_order: the requests, longest first
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
@@ -307,8 +319,13 @@ class MLADecodeSm90:
             seqlen = mSeqlens[batch]
             start, n_tiles = page_split(seqlen, split, num_splits)
 
+        order = mPL
+        if const_expr(self.rank_order):
+            order = storage.order.get_tensor(cute.make_layout(ORDER_MAX_B))
         if wg == 0:
             # ---------------- producer ----------------
+            if const_expr(self.rank_order):
+                self._rank_requests(mSeqlens, storage, order, tidx, warp_idx)
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 rank = 0
@@ -348,7 +365,7 @@ class MLADecodeSm90:
                         item = item + 1
                         lo = Int32(0)
                 else:
-                    kv_state = self._produce_items(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, mSeqlens, mPO, mPL,
+                    kv_state = self._produce_items(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, mSeqlens, mPO, order,
                                                    q_pipe, kv_pipe, item_pipe, q_state, kv_state, storage, rows,
                                                    rank, by, num_splits)
                 if const_expr(self.cluster > 1):
@@ -400,7 +417,7 @@ class MLADecodeSm90:
                 item, item_state = self._next_item(item_pipe, item_state, storage)
                 g = Int32(0)             # tiles of this CTA's earlier items (the ring's and the seesaw's count)
                 while item < n_items:
-                    batch_i = mPL[item // pairs]
+                    batch_i = Int32(order[item // pairs])
                     m_block_i = (item % pairs) * self.cluster + rank
                     seqlen_i = mSeqlens[batch_i]
                     n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
@@ -689,7 +706,7 @@ class MLADecodeSm90:
             if const_expr(self.trace):
                 if cute.arch.lane_idx() == 0:
                     self._trace(mSched, slot, T_PUB, cute.arch.clock())
-            batch = mOrder[item // pairs]
+            batch = Int32(mOrder[item // pairs])
             m_block = (item % pairs) * self.cluster + rank
             n_tiles = (mSeqlens[batch] + TILE_N - 1) // TILE_N
             kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
@@ -706,6 +723,36 @@ class MLADecodeSm90:
                     mSched[0] = Int32(0)
                     mSched[1] = Int32(0)
         return kv_state
+
+    @cute.jit
+    def _rank_requests(self, mSeqlens: cute.Tensor, storage, order: cute.Tensor, tidx: Int32, warp_idx: Int32):
+        """The producer warpgroup, before any load: order[k] = the request of rank k by length, longest first, ties
+        in index order (work_order.longest_first's order), in smem. Request r's key, min(length, 2^23 - 1) * 256 +
+        255 - r, is distinct for every r (b <= 256), so the ranks are a permutation whatever the lengths; each
+        thread counts, for its requests, the larger keys (b broadcast smem reads each, ~1 k cycles at b 128). The
+        keys are staged in sQ's space, which the first Q load overwrites once all have been read.
+
+        Warps 1-3 do the work while warp 0, the loader, only meets them at the barriers: with warp 0 in the
+        thread-dependent loops too, ptxas no longer kept the loader's TMA operands in uniform registers and wrapped
+        each of its copies in a loop over the warp's lanes (BRA.U.ANY), which slowed every page's issue enough to
+        make whole steps 20-26% slower on the H200."""
+        b = cute.size(mSeqlens)
+        keys = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=Int32), cute.make_layout(ORDER_MAX_B))
+        if warp_idx > 0:
+            for r in cutlass.range(tidx - 32, b, 96, unroll=1):
+                keys[r] = cutlass.min(mSeqlens[r], Int32((1 << 23) - 1)) * ORDER_MAX_B + (ORDER_MAX_B - 1 - r)
+        cute.arch.barrier(barrier_id=BAR_ORDER, number_of_threads=128)
+        if warp_idx > 0:
+            for r in cutlass.range(tidx - 32, b, 96, unroll=1):
+                mine = keys[r]
+                k = Int32(0)
+                for j in cutlass.range(b, unroll=8):
+                    if keys[j] > mine:
+                        k = k + 1
+                order[k] = cutlass.Int16(r)
+            # the keys' generic reads ordered before the Q load's async-proxy writes over them
+            cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_ORDER, number_of_threads=128)
 
     @cute.jit
     def _publish_item(self, item_pipe, item_state, storage, item: Int32):
