@@ -6,7 +6,8 @@ Compute (`ncu --profile-from-start off`): what the counters say where the timing
 
 A run is "BACKEND SHAPE [NAME=VALUE ...]" with BACKEND an mlaserve kernel backend (triton, cutedsl, ...) or a peer
 (flashinfer), SHAPE as scripts/decode_ab.py reads it, and NAME=VALUE module switches of the backend's decode
-module set for that run (a Python literal, e.g. "cutedsl b128 h128 sq2 sk4096 STREAM_K_MIN_TILES=0"). Each is called once outside the profiled range first (compiling and
+module set for that run (a Python literal, e.g. "cutedsl b128 h128 sq2 sk4096 STREAM_K_MIN_TILES=0"); SEED=N
+makes that run's inputs with seed N instead of --seed's. Each is called once outside the profiled range first (compiling and
 planning there), then once inside it, so that every kernel of that one call is profiled, in the order printed.
 scripts/device_run.sh's phase "ncu" runs this under ncu and exports the report's pages as CSV.
 """
@@ -50,12 +51,13 @@ def main() -> int:
         backend, *words = run.split()
         spec = " ".join(w for w in words if "=" not in w)
         switches = dict(w.split("=", 1) for w in words if "=" in w)
+        seed = int(switches.pop("SEED", args.seed))
         module = importlib.import_module(DECODE_MODULES[backend]) if switches else None
         saved = {name: getattr(module, name) for name in switches}
         try:
             for name, value in switches.items():
                 setattr(module, name, ast.literal_eval(value))
-            prep = prepare(backend, spec, dev, args.seed)
+            prep = prepare(backend, spec, dev, seed)
             prep.calls[0]()          # compile, plan, JIT: outside the profiled range
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
