@@ -32,7 +32,8 @@
 #   phase "script"    bash -c "$SCRIPT_CMD" after the tests, before the benchmark, into script.log; T_SCRIPT 150
 #   phase "ncu"       Nsight Compute (--set NCU_SET, default full; clocks left alone) over one call of each of
 #                     NCU_RUNS (scripts/ncu_profile.py: "BACKEND SHAPE,..."), into ncu.log, ncu_details.csv,
-#                     ncu_raw.csv.gz and ncu_source.csv.gz (per SASS instruction); T_NCU 240
+#                     ncu_raw.csv.gz and ncu_source.csv.gz (per SASS instruction), scripts/ncu_summary.py's
+#                     table printed; T_NCU 240
 #   phase "splits"    scripts/split_sweep.py (small-batch KV split counts, timed as the benchmark) for triton, then for
 #                     cutedsl where the DSL is on the machine, into splits.log; T_SPLITS 120 each
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
@@ -215,6 +216,7 @@ if has_phase ncu; then
     say "== ncu: report $(du -h /tmp/prof.ncu-rep | cut -f1), details $(wc -l <"$OUT/ncu_details.csv") lines"
   fi
   tail -n 20 "$OUT/ncu.log" | tee -a "$LOG"
+  if [ -s "$OUT/ncu_raw.csv.gz" ]; then python3 scripts/ncu_summary.py "$OUT/ncu_raw.csv.gz" 2>&1 | tee -a "$LOG"; fi
 fi
 
 if [ -n "${WARM_PID:-}" ]; then
