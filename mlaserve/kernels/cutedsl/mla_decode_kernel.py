@@ -132,8 +132,7 @@ def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
 
 class MLADecodeSm90:
     """Compiled per (dtype, causal, split, cluster, persistent, trace, store16, streamk, early_sums, rank_order).
-    Launched by
-    mla_decode.py through `__call__` (a cute.jit host function)."""
+    Launched by mla_decode.py through `__call__` (a cute.jit host function)."""
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
