@@ -160,7 +160,7 @@ LONGEST_FIRST = True
 # 1.011 / 1.007x, variable lengths 1.011x, h 64 s_q 2 1.008x, longer steps level (bench/NOTES.md 62). False: the
 # order kernel (for A/B runs)
 RANK_ORDER = True
-RANK_ORDER_MAX_B = 256     # mla_decode_kernel.ORDER_MAX_B (its smem holds the order as int16)
+RANK_ORDER_MAX_B = 256     # the kernel's smem holds the order as int16, in padding before sQ
 # a diagnostic of persistent launches (scripts/persistent_clusters_ab.py --trace): each item's SM, start and end and
 # the clocks of its phases, left in `last_trace` after each launch (eager calls only)
 TRACE = False

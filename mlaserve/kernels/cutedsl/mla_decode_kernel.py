@@ -44,7 +44,7 @@ the SMs): one CTA, or cluster, per SM, each taking work items (a request's row t
 until none is left, instead of a grid of one CTA per item. The first item of cluster c is item c; then CTA
 0's producer draws tickets from a global counter (the last cluster to finish zeroes it again) and hands
 each to the cluster's other CTAs over a one-slot smem channel; every producer hands its items to its
-consumers through a 2-slot item pipe. The KV ring, the seesaw's ownership (tile g + t of an item whose CTA
+consumers through a 2-slot item pipe (ticket_scheduler.py). The KV ring, the seesaw's ownership (tile g + t of an item whose CTA
 ran g tiles before) and the barriers run on across items; Q is released after the item's last S, so the
 next item's Q and first pages load while this one's last P V and epilogue run (in a grid, each SM waits for
 a CTA to exit before the next one starts loading). Against the grid on the H200 (bench/NOTES.md items 47, 50):
@@ -84,6 +84,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
@@ -91,14 +92,13 @@ from mlaserve.kernels.cutedsl.seesaw_consumers import (
 from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, store_dense_block,
                                                       store_dense_lse)
 from mlaserve.kernels.cutedsl.stream_k_pieces import first_piece, merge_piece, piece_of
+from mlaserve.kernels.cutedsl.ticket_scheduler import (ITEM_STAGES, fetch_ticket, init_scheduler, next_item,
+                                                       publish_item, rank_requests)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
-BAR_ORDER = 9         # the producer warpgroup's 128 threads, around the requests' ranking (rank_order)
-ORDER_MAX_B = 256     # rank_order: requests a launch may have (their order is int16 in smem, in the padding before sQ)
-ITEM_STAGES = 2       # persistent launches: work items the producer hands its consumers ahead
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
 # then the producer's clock at the item's hand-over, its Q load issued and its first page issued; consumer 0's clock
@@ -159,7 +159,7 @@ class MLADecodeSm90:
         self.early_sums = early_sums
         if streamk and not persistent:
             raise ValueError("streamk is a persistent launch's schedule")
-        # ticket launches: each CTA ranks the requests by length itself (longest first, _rank_requests) instead of
+        # ticket launches: each CTA ranks the requests by length itself (longest first, rank_requests) instead of
         # reading their order from mPL (work_order.longest_first, a kernel launch of its own before this one)
         self.rank_order = rank_order
         if rank_order and (not persistent or streamk):
@@ -294,7 +294,7 @@ class MLADecodeSm90:
         storage = smem.allocate(self.shared_storage)
         item_pipe = None
         if const_expr(self.persistent and not self.streamk):
-            item_pipe = self._init_scheduler(storage, tidx)
+            item_pipe = init_scheduler(storage, tidx, self.cluster)
         # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp): both
         # consumers read every tile's V. In a cluster, lane r of each warp arrives on CTA r's barrier: a
         # stage is free once every CTA's consumers are done with it, since every CTA's load writes into all.
@@ -324,7 +324,7 @@ class MLADecodeSm90:
         if wg == 0:
             # ---------------- producer ----------------
             if const_expr(self.rank_order):
-                self._rank_requests(mSeqlens, storage, order, tidx, warp_idx)
+                rank_requests(mSeqlens, storage, order, tidx, warp_idx)
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 rank = 0
@@ -413,7 +413,7 @@ class MLADecodeSm90:
                 if const_expr(self.cluster > 1):
                     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
                 n_items = cute.size(mSeqlens) * pairs
-                item, item_state = self._next_item(item_pipe, item_state, storage)
+                item, item_state = next_item(item_pipe, item_state, storage)
                 g = Int32(0)             # tiles of this CTA's earlier items (the ring's and the seesaw's count)
                 while item < n_items:
                     batch_i = Int32(order[item // pairs])
@@ -429,7 +429,7 @@ class MLADecodeSm90:
                     self._trace_item(mPO, slot, cw, ctid, False)
                     q_state.advance()
                     g = g + n_tiles_i
-                    item, item_state = self._next_item(item_pipe, item_state, storage)
+                    item, item_state = next_item(item_pipe, item_state, storage)
 
     @cute.jit
     def _produce_item(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, tKVs: cute.Tensor,
@@ -648,7 +648,7 @@ class MLADecodeSm90:
         return cute.make_tensor(mSched.iterator + (3 * n_slots + 2 + 3 * n_slots * self.cluster),
                                 cute.make_layout(cute.size(mSched) - (3 * n_slots + 2 + 3 * n_slots * self.cluster)))
 
-    # -- persistent launches: the work-item scheduler --
+    # -- persistent launches: traces and the ticket producer (the scheduler's parts: ticket_scheduler.py) --
 
     @cute.jit
     def _trace(self, mSched: cute.Tensor, slot: Int32, field: int, value: Int32):
@@ -670,21 +670,6 @@ class MLADecodeSm90:
                     self._trace(mSched, slot, T_C1, cute.arch.clock())
 
     @cute.jit
-    def _init_scheduler(self, storage, tidx: Int32):
-        """The item pipe (producer warp -> both consumers, ITEM_STAGES slots) and, in clusters, the mbarriers of
-        the channel by which CTA 0 hands each ticket to CTA 1. Their init is fenced and synced by the KV pipe's
-        creation, which follows."""
-        item_pipe = pipeline.PipelineAsync.create(
-            barrier_storage=storage.item_mbar.data_ptr(), num_stages=ITEM_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS), defer_sync=True)
-        if const_expr(self.cluster > 1):
-            if tidx == 0:
-                cute.arch.mbarrier_init(storage.chan_mbar.data_ptr(), 1)
-                cute.arch.mbarrier_init(storage.chan_mbar.data_ptr() + 1, self.cluster - 1)
-        return item_pipe
-
-    @cute.jit
     def _produce_items(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, tKVs: cute.Tensor,
                        tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, mSeqlens: cute.Tensor,
                        mSched: cute.Tensor, mOrder: cute.Tensor, q_pipe, kv_pipe, item_pipe, q_state, kv_state,
@@ -700,7 +685,7 @@ class MLADecodeSm90:
         chan_phase = Int32(0)
         item = cid
         while item < n_items:
-            item_state = self._publish_item(item_pipe, item_state, storage, item)
+            item_state = publish_item(item_pipe, item_state, storage, item)
             slot = item * self.cluster + rank     # this CTA's part of the item (traced launches)
             if const_expr(self.trace):
                 if cute.arch.lane_idx() == 0:
@@ -711,9 +696,9 @@ class MLADecodeSm90:
             kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
                                           kv_state, batch, m_block, 0, n_tiles, rank, mSched, slot)
             q_state.advance()
-            item = self._fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase)
+            item = fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase, self.cluster)
             chan_phase = chan_phase ^ 1
-        item_state = self._publish_item(item_pipe, item_state, storage, item)   # past the last: the consumers stop
+        item_state = publish_item(item_pipe, item_state, storage, item)   # past the last: the consumers stop
         if rank == 0:
             if cute.arch.lane_idx() == 0:
                 done = cute.arch.atomic_add(mSched.iterator + 1, Int32(1))
@@ -722,83 +707,3 @@ class MLADecodeSm90:
                     mSched[0] = Int32(0)
                     mSched[1] = Int32(0)
         return kv_state
-
-    @cute.jit
-    def _rank_requests(self, mSeqlens: cute.Tensor, storage, order: cute.Tensor, tidx: Int32, warp_idx: Int32):
-        """The producer warpgroup, before any load: order[k] = the request of rank k by length, longest first, ties
-        in index order (work_order.longest_first's order), in smem. Request r's key, min(length, 2^23 - 1) * 256 +
-        255 - r, is distinct for every r (b <= 256), so the ranks are a permutation whatever the lengths; each
-        thread counts, for its requests, the larger keys (b broadcast smem reads each, ~1 k cycles at b 128). The
-        keys are staged in sQ's space, which the first Q load overwrites once all have been read.
-
-        Warps 1-3 do the work while warp 0, the loader, only meets them at the barriers: with warp 0 in the
-        thread-dependent loops too, ptxas no longer kept the loader's TMA operands in uniform registers and wrapped
-        each of its copies in a loop over the warp's lanes (BRA.U.ANY), which slowed every page's issue enough to
-        make whole steps 20-26% slower on the H200."""
-        b = cute.size(mSeqlens)
-        keys = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=Int32), cute.make_layout(ORDER_MAX_B))
-        if warp_idx > 0:
-            for r in cutlass.range(tidx - 32, b, 96, unroll=1):
-                keys[r] = cutlass.min(mSeqlens[r], Int32((1 << 23) - 1)) * ORDER_MAX_B + (ORDER_MAX_B - 1 - r)
-        cute.arch.barrier(barrier_id=BAR_ORDER, number_of_threads=128)
-        if warp_idx > 0:
-            for r in cutlass.range(tidx - 32, b, 96, unroll=1):
-                mine = keys[r]
-                k = Int32(0)
-                for j in cutlass.range(b, unroll=8):
-                    if keys[j] > mine:
-                        k = k + 1
-                order[k] = cutlass.Int16(r)
-            # the keys' generic reads ordered before the Q load's async-proxy writes over them
-            cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_ORDER, number_of_threads=128)
-
-    @cute.jit
-    def _publish_item(self, item_pipe, item_state, storage, item: Int32):
-        item_pipe.producer_acquire(item_state)
-        storage.item_slot.get_tensor(cute.make_layout(ITEM_STAGES))[item_state.index] = item
-        item_pipe.producer_commit(item_state)
-        item_state.advance()
-        return item_state
-
-    @cute.jit
-    def _next_item(self, item_pipe, item_state, storage):
-        """A consumer thread's next work item from the producer (one past the last: stop)."""
-        item_pipe.consumer_wait(item_state)
-        item = storage.item_slot.get_tensor(cute.make_layout(ITEM_STAGES))[item_state.index]
-        item_pipe.consumer_release(item_state)
-        item_state.advance()
-        return item, item_state
-
-    @cute.jit
-    def _fetch_ticket(self, mSched: cute.Tensor, storage, rank: Int32, n_clusters: Int32, n_items: Int32,
-                      chan_phase: Int32) -> Int32:
-        """The next item of this cluster: CTA 0's lane 0 draws a ticket (atomic add on mSched[0]; the first
-        n_clusters items went out by cluster index) and, in a cluster, hands it to the other CTAs over a one-slot
-        channel in each one's smem (st.async completing the slot's mbarrier there; each frees its slot by
-        arriving on CTA 0's empty mbarrier, which counts cluster - 1 arrivals; not after the last ticket, which
-        CTA 0 does not wait for and may have exited by then)."""
-        lane = cute.arch.lane_idx()
-        ticket = Int32(0)
-        if rank == 0:
-            if lane == 0:
-                ticket = cute.arch.atomic_add(mSched.iterator, Int32(1)) + n_clusters
-            ticket = cute.arch.shuffle_sync(ticket, 0)
-        if const_expr(self.cluster > 1):
-            full = storage.chan_mbar.data_ptr()
-            empty = storage.chan_mbar.data_ptr() + 1
-            slot = storage.chan_slot.data_ptr()
-            if rank == 0:
-                cute.arch.mbarrier_wait(empty, chan_phase ^ 1)
-                if lane == 0:
-                    for peer in cutlass.range_constexpr(1, self.cluster):
-                        cute.arch.store_async_dsmem(slot, ticket, full, peer)
-            else:
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(full, 4)
-                cute.arch.mbarrier_wait(full, chan_phase)
-                ticket = storage.chan_slot.get_tensor(cute.make_layout(2))[0]
-                cute.arch.sync_warp()
-                if lane == 0 and ticket < n_items:
-                    cute.arch.mbarrier_arrive(empty, 0)
-        return ticket
