@@ -23,11 +23,13 @@ KV_BLOCKS = D_V // 64  # the bf16 tile's 64-column blocks (one swizzle atom wide
 
 
 @cute.jit
-def dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.Pointer, valid: Int32):
+def dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.Pointer, valid: Int32,
+                 release_every: cutlass.Constexpr[int] = 1):
     """The loader warpgroup's conversion of one tile: raw stage (shared address `stage_base`, rows of 528 B:
     e4m3 bytes then 4 fp32 scales) -> the bf16 c_kv tile (shared address `kv_base`, [64, 512] in 64-column
-    blocks of 8 KB, 128-byte swizzle), one column block at a time, arriving on kv_full[block] after each so
-    that the consumers' QK starts on the first blocks while the later ones are converted.
+    blocks of 8 KB, 128-byte swizzle), one column block at a time, arriving on kv_full[block // release_every]
+    after every `release_every` blocks, so that the consumers' QK starts on the first blocks while the later
+    ones are converted. Each release costs a proxy fence, which waits for the warp's shared stores to land.
 
     Thread p converts the 8 columns p % 8 of each block in rows p // 8 + 16 i (i < 4): one 8-byte load and
     one 16-byte store each; rows >= `valid` become zeros (multiplier 0). The loader has one warp per SM
@@ -53,9 +55,10 @@ def dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.P
         for i in cutlass.range_constexpr(rows):
             mult = _bf16x2_hi(scale[i] + EXP_120) & keep[i]
             _convert8_store(raw[i], kv_base + cb * (TILE_N * 128) + (prow + 16 * i) * 128 + swz, mult)
-        # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see kv_full[cb]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.mbarrier_arrive(kv_full + cb)
+        # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see the barrier
+        if const_expr((cb + 1) % release_every == 0):
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(kv_full + cb // release_every)
         raw = nxt_raw
         scale = nxt_scale
 

@@ -21,20 +21,23 @@ Warp roles (384 threads):
   nearest e4m3 * scale -- the format's value -- with no conversion instruction. 4 bytes become two bf16x2
   words by prmt with sign replication, a shift and a mask. Rows past the request's end are written as
   zeros (multiplier 0: the bit trick never makes NaN/inf from any byte, even 0xFF poison). The tile is
-  converted in 8 blocks of 64 columns, each released to the consumers on its own mbarrier, and the
-  loads of block b + 1 are issued before block b is converted (fp8_dequant.dequant_tile).
+  converted in 8 blocks of 64 columns and released to the consumers in halves (RELEASE_EVERY 4 blocks),
+  each on its own mbarrier; the loads of block b + 1 are issued before block b is converted
+  (fp8_dequant.dequant_tile).
 - WG 1 and WG 2, the consumers (setmaxnreg 224): S_w = Q K_w^T over keys 32w..32w+32 (k_pe straight from
-  the raw stage first, then c_kv from the bf16 tile block by block as the loader releases the blocks),
+  the raw stage first, then c_kv from the bf16 tile half by half as the loader releases them),
   P_w to smem, O_w += P V_w over columns 256w..256w+256.
 
 Smem (limit 232448 B): Q 73728 + bf16 tile 65536 + raw ring 2 x 41984 + P 8192 + 8 mbarriers 64 +
 row maxima 512 (row sums reuse them after the loop) = 232000 B, which the struct rounds up to its 1024-byte
 alignment: 232448, the limit exactly (the 8 extra block barriers fit in that rounding). A second bf16
 tile does not fit beside Q, so a page's dequantization waits for the consumers' P V of the page before
-it; only the QK overlaps it, block by block. Measured on the H200 (b128 s_k 8192): converting the whole
+it; only the QK overlaps it, half by half. Measured on the H200 (b128 s_k 8192): converting the whole
 tile before releasing it gave 1.47 TB/s at h16 and 305 TFLOP/s at h128; the blocks with loads issued a
 block ahead give 1.80 TB/s and 372 TFLOP/s (the loader has one warp per SM sub-partition, so its shared
-loads' latency was exposed on every 8-byte unit). Where rows are few (h16, s_q 1) the 64-row wgmma tiles
+loads' latency was exposed on every 8-byte unit). Each release is a proxy fence that waits for the
+loader's stores: releasing halves instead of blocks measured 1.03-1.04x at h64/h128 (s_q 1 and 2; quarters
+in between). Where rows are few (h16, s_q 1) the 64-row wgmma tiles
 do 4x the needed MMA work (~1.2 us of wgmma a page at peak, near the bf16 kernel's memory time), so FP8's
 1.6x there needs keys on wgmma's M side (S^T = K Q^T, N = rows), which this kernel does not do.
 
@@ -42,8 +45,8 @@ Barriers per page t (stage s = t % 2):
   raw full[s]  (TMA tx 41984 B)                    loader waits, consumers wait (k_pe)
   raw empty[s] 12 warp arrivals: 4 loader warps after dequantizing, 8 consumer warps after S
   kv_empty     256 consumer threads after P V of t-1 -> loader may overwrite the bf16 tile
-  kv_full[b]   128 loader threads after converting column block b of t (fence.proxy.async first) ->
-               the consumers' wgmma on that block (8 barriers, one phase per page)
+  kv_full[g]   128 loader threads after converting column blocks 4g..4g+3 of t (fence.proxy.async
+               first) -> the consumers' wgmma on those blocks (2 of the 8 barriers used, one phase a page)
 """
 
 import cutlass
@@ -75,6 +78,8 @@ LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 65536
 THREADS = 3 * 128
 LOADER_THREADS = 128
+# the loader hands the bf16 tile over every RELEASE_EVERY of its 8 column blocks (fp8_dequant.dequant_tile)
+RELEASE_EVERY = 4
 
 
 class MLADecodeFP8Sm90:
@@ -155,7 +160,8 @@ class MLADecodeFP8Sm90:
             cute.arch.setmaxregister_decrease(LOADER_REGS)
             fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, m_block, TILE_M, tma_raw, mRaw_tma, sRaw,
                        tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
-                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start)
+                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start,
+                       release_every=RELEASE_EVERY)
         else:
             # ---------------- consumers (the bf16 kernel's math; K/V from the bf16 tile and the raw stage) --------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -185,7 +191,8 @@ class MLADecodeFP8Sm90:
                 stage = raw_c.index
                 raw_pipe.consumer_wait(raw_c)
                 # -- S_w = Q_pe Kpe_w^T + Q_nope K_w^T, each 64-column block of K as soon as it is converted --
-                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full, t % 2)
+                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full, t % 2,
+                         RELEASE_EVERY)
                 cute.arch.sync_warp()
                 raw_pipe.consumer_release(raw_c)
                 raw_c.advance()
@@ -321,18 +328,21 @@ def fp8_split_storage(sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedL
 
 
 def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, sQ_layout: cute.ComposedLayout,
-                     sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sRaw_layout: cute.Layout):
-    """In the FP8 dense kernels, before the warp roles split: thread 0 initializes the tile's barriers in
-    `storage.kv_mbar` (KV_BLOCKS kv_full, each completed by the loader's 128 threads, then kv_empty by the
-    `consumer_threads`); the raw ring's pipeline (a stage is freed by the 4 loader warps, dequantized, and
-    the consumer warps, k_pe used in S: one elected lane per warp) and Q's (creating them fences the inits
-    and syncs the CTA); the smem tensors. -> (raw_pipe, q_pipe, sQ, sKV, sPE, sRaw)."""
-    _init_tile_barriers(tidx, storage.kv_mbar.data_ptr(), consumer_threads)
+                     sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sRaw_layout: cute.Layout,
+                     tiles: int = 1, raw_pe: bool = True):
+    """In the FP8 dense kernels, before the warp roles split: thread 0 initializes the bf16 tiles' barriers in
+    `storage.kv_mbar` (per tile KV_BLOCKS kv_full, each completed by the loader's 128 threads; then a kv_empty a
+    tile, by the `consumer_threads`); the raw ring's pipeline (a stage is freed by the 4 loader warps,
+    dequantized, and, where k_pe travels in the raw stage (`raw_pe`), by the consumer warps once S used it: one
+    elected lane per warp) and Q's (creating them fences the inits and syncs the CTA); the smem tensors.
+    -> (raw_pipe, q_pipe, sQ, sKV, sPE, sRaw)."""
+    _init_tile_barriers(tidx, storage.kv_mbar.data_ptr(), consumer_threads, tiles)
     raw_pipe = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (LOADER_THREADS + consumer_threads) // 32),
-        tx_count=TILE_N * (RAW_WORDS * 4 + D_PE * 2))
+        consumer_group=pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, (LOADER_THREADS + (consumer_threads if raw_pe else 0)) // 32),
+        tx_count=TILE_N * (RAW_WORDS * 4 + (D_PE * 2 if raw_pe else 0)))
     q_pipe = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -346,11 +356,13 @@ def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, s
 
 
 @cute.jit
-def _init_tile_barriers(tidx: Int32, kv_full: cute.Pointer, consumer_threads: cutlass.Constexpr[int]):
+def _init_tile_barriers(tidx: Int32, kv_full: cute.Pointer, consumer_threads: cutlass.Constexpr[int],
+                        tiles: cutlass.Constexpr[int]):
     if tidx == 0:
-        for cb in cutlass.range_constexpr(KV_BLOCKS):
+        for cb in cutlass.range_constexpr(tiles * KV_BLOCKS):
             cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
-        cute.arch.mbarrier_init(kv_full + KV_BLOCKS, consumer_threads)
+        for tile in cutlass.range_constexpr(tiles):
+            cute.arch.mbarrier_init(kv_full + tiles * KV_BLOCKS + tile, consumer_threads)
 
 
 @cute.jit
@@ -358,11 +370,15 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                m_block: Int32, q_rows: cutlass.Constexpr[int], tma_raw: cute.CopyAtom, mRaw_tma: cute.Tensor,
                sRaw: cute.Tensor, tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, sPE: cute.Tensor, raw_pipe,
                raw_base: Int32, kv_base: Int32, kv_full: cute.Pointer, kv_empty: cute.Pointer, mBT: cute.Tensor,
-               batch: Int32, first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32):
+               batch: Int32, first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32,
+               tiles: cutlass.Constexpr[int] = 1, raw_pe: cutlass.Constexpr[bool] = True,
+               release_every: cutlass.Constexpr[int] = 1):
     """The loader warpgroup of the FP8 dense kernels (this one and mla_decode_fp8_narrow_kernel.py): warp 0
-    loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes and k_pe by TMA into
-    the raw ring; all four warps dequantize each page into the bf16 c_kv tile (at shared address kv_base)
-    once the consumers freed it (kv_empty), releasing it block by block on kv_full, then free the raw stage."""
+    loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes (and, `raw_pe`, their
+    k_pe) by TMA into the raw ring; all four warps dequantize page t into bf16 c_kv tile t % `tiles` (the
+    tiles side by side from shared address kv_base) once the consumers freed it (kv_empty + tile), releasing
+    it every `release_every` blocks on kv_full + tile * KV_BLOCKS + block // release_every, then free the raw
+    stage."""
     gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
     gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
     tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
@@ -379,38 +395,46 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
         cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
     for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
         if warp_idx == 0:
-            _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, mBT[batch, first_page + t])
+            _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, mBT[batch, first_page + t], raw_pe)
         raw_p.advance()
 
     raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
     for t in cutlass.range(n_tiles, unroll=1):
         valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
+        tile = t % tiles
         raw_pipe.consumer_wait(raw_c)
-        cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
-        dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full, valid)
+        cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
+        dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base + tile * (TILE_N * D_V * 2),
+                     kv_full + tile * KV_BLOCKS, valid, release_every)
         cute.arch.sync_warp()
         raw_pipe.consumer_release(raw_c)
         raw_c.advance()
         if warp_idx == 0:
             if t + RAW_STAGES < n_tiles:
                 _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs,
-                           mBT[batch, first_page + t + RAW_STAGES])
+                           mBT[batch, first_page + t + RAW_STAGES], raw_pe)
         raw_p.advance()
 
 
 @cute.jit
 def _load_page(raw_pipe, state, tma_raw: cute.CopyAtom, tRg: cute.Tensor, tRs: cute.Tensor,
-               tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, page: Int32):
-    """One page's e4m3 bytes + scales and its k_pe into raw stage state.index, on that stage's full barrier."""
+               tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, page: Int32,
+               raw_pe: cutlass.Constexpr[bool]):
+    """One page's e4m3 bytes + scales into raw stage state.index, on that stage's full barrier, and its k_pe
+    there too (`raw_pe`) or into L2 (for the consumers' own load of it later)."""
     raw_pipe.producer_acquire(state)
     bar = raw_pipe.producer_get_barrier(state)
     cute.copy(tma_raw, tRg[None, page], tRs[None, state.index], tma_bar_ptr=bar)
-    cute.copy(tma_pe, tPg[None, page], tPs[None, state.index], tma_bar_ptr=bar)
+    if const_expr(raw_pe):
+        cute.copy(tma_pe, tPg[None, page], tPs[None, state.index], tma_bar_ptr=bar)
+    else:
+        cute.prefetch(tma_pe, tPg[None, page])
 
 
 @cute.jit
 def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-             tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, kv_full: cute.Pointer, phase: Int32):
+             tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, kv_full: cute.Pointer, phase: Int32,
+             release_every: cutlass.Constexpr[int] = 1):
     """acc = Q_pe Kpe^T + Q_nope K^T as one wgmma group, waited for (the raw stage is released next).
 
     k_pe is in the raw stage already; K's k-steps on each 64-column block are issued once the loader's
@@ -424,8 +448,8 @@ def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK
         atom.set(warpgroup.Field.ACCUMULATE, True)
     steps = cute.size(tSrQ.shape[2])
     for k in cutlass.range_constexpr(steps):
-        if const_expr(k % (steps // KV_BLOCKS) == 0):
-            cute.arch.mbarrier_wait(kv_full + k // (steps // KV_BLOCKS), phase)
+        if const_expr(k % (steps // KV_BLOCKS * release_every) == 0):
+            cute.arch.mbarrier_wait(kv_full + k // (steps // KV_BLOCKS * release_every), phase)
         cute.gemm(atom, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)

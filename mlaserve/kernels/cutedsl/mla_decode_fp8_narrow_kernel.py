@@ -6,8 +6,9 @@ of its MMA work is padding, about 1.2 us a page at the tensor cores' peak, more 
 HBM delivers the page's 42 KB of FP8 to an SM (1.3 us is what FP8 at 1.6x the bf16 kernel's speed needs).
 Here the same page costs N / 64 of that, N = 16 or 32 the query rows padded:
 
-    S^T [64 keys, N] = K [64, 576] Q^T          A = the page (c_kv from the bf16 tile, k_pe from the raw
-                                                stage), K-major; B = Q [N, 576], K-major; m64nN, 36 k-steps
+    S^T [64 keys, N] = K [64, 576] Q^T          A = the page (c_kv from a bf16 tile, k_pe from the raw
+                                                stage or its own buffer), K-major; B = Q [N, 576], K-major;
+                                                m64nN, 36 k-steps
     O^T [512, N]    += V^T [512, 64 keys] P^T    A = the bf16 tile read as V^T (MN-major, no copy);
                                                 B = P^T [N, 64 keys] in smem, K-major; 8 x m64nN, 4 k-steps
 
@@ -15,26 +16,33 @@ The softmax runs down the columns of S^T (a query row's keys are one column): ea
 columns in two rows, warps reduce over their 16 keys by shuffles and the four warps meet in smem.
 
 Warp roles (256 threads): WG 0 is the FP8 kernels' loader (mla_decode_fp8_kernel.fp8_loader: TMA of Q
-and of each page's raw bytes and k_pe into a 2-stage ring, dequantization into the one bf16 c_kv tile in 8
-column blocks released on kv_full[block]); WG 1, the consumer, per page t:
-  QK (k_pe first, then each column block once converted) -> release the raw stage -> mask, column
-  maxima (warp shuffles, then the 4 warps through red[t % 2] and named barrier BAR_RED) -> P^T into smem,
-  fence, BAR_P -> O^T rescaled and += V^T P^T -> arrive kv_empty (the loader may convert page t + 1).
+and of each page's raw bytes into a 2-stage ring, dequantization of page t into bf16 c_kv tile t % tiles,
+handed over on kv_full); WG 1, the consumer, per page t:
+  QK (each group of converted column blocks as it is handed over, k_pe last) -> mask, column maxima (warp
+  shuffles, then the 4 warps through red[t % 2] and named barrier BAR_RED) -> P^T into smem, fence, BAR_P
+  -> O^T rescaled and += V^T P^T -> arrive kv_empty[tile] (the loader may convert page t + tiles there).
 P^T of page t is written after BAR_RED of page t, which every warp reaches only after waiting for its
 P V of page t - 1: no warp's wgmma still reads the old P^T.
 
-Smem: Q N x 576 bf16 + bf16 tile 65536 + raw ring 2 x 41984 + P^T N x 128 + barriers and maxima: 188 KB
-at N 32.
+Two layouts (kv_tiles):
+- N 16: two bf16 tiles, so that the loader converts page t + 1 while the consumer works on page t, handed
+  over whole (RELEASE_EVERY 8: one proxy fence a page). The raw ring then has no room for k_pe (Q 18432 +
+  tiles 131072 + raw 2 x 33792 + k_pe 8192 + P^T 2048 = 227328 B of 232448): one k_pe buffer, which the
+  consumer's warp 0 fills by TMA for page t + 1 once every warp's S of page t is done (after BAR_RED), the
+  loader having prefetched it into L2 with the page's raw bytes; QK takes k_pe's k-steps last.
+- N 32: one tile (Q is 36864 B), handed over block by block so that QK overlaps the conversion; k_pe
+  travels in the raw stage (2 x 41984), which the consumer releases too once S is done.
 
-Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8): h 16 275-298 us = 2.3-2.5 TB/s
-(the 64-row kernel: 1.76-1.86), 0.95-1.04x the bf16 kernel; h 32 2.1-2.2 TB/s, 0.88-0.92x. What limits it,
-from probe builds that skipped one side (outputs wrong): the loader alone (TMA + conversion, no math)
-takes 197 us at h 16 and the consumer alone (no conversion) 203 us, and with one bf16 tile they
-serialize: page t + 1's conversion waits for P V of page t, its QK for the conversion. Releasing the tile
-per column block as P V finished each one (8 wgmma groups, 8 kv_empty barriers) and a third raw stage
-were both tried and measured 7% slower / no faster. 1.6x the bf16 kernel (<= 176 us) needs both sides
-faster and overlapped: two bf16 tiles and two consumer warpgroups on alternate pages (smem: raw stages
-of half pages), and more than one loader warp per SM sub-partition for the conversion.
+Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8 --bench-only --narrow, the same
+process order against the one-tile kernel): h 16 270.9-273.9 -> 233.0-235.9 us (2.93-2.97 TB/s of FP8
+bytes), 1.07x -> 1.23-1.25x the bf16 kernel; s_q 2 h 8 the same; h 32 2.2 TB/s, 0.99x, unchanged. With
+two tiles handed over block by block it took 254 us, and Nsight Compute put the loader's proxy fences (each
+waits for the warp's stores) and the barrier arrivals after them at ~30% of the loader warps' samples;
+whole-tile hand-overs: 233-236 us. Earlier, with one tile: the loader alone (TMA +
+conversion, no math) took 197 us at h 16 and the consumer alone (no conversion) 203 us; releasing the tile
+per column block as P V finished each one, and a third raw stage, measured 7% slower / no faster. 1.6x
+the bf16 kernel (<= 185 us) needs the consumer's page chain shorter (one warpgroup: QK, the softmax's two
+named barriers, P V, each waited for) and two tiles at N 32, which do not fit beside its Q.
 """
 
 import math
@@ -49,7 +57,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
-    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
+    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _qk_gemm as _qk_gemm_pe_first
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 from mlaserve.kernels.cutedsl.split_consumers import move_row_max
 
@@ -58,6 +67,17 @@ CONSUMER_THREADS = 128
 BAR_RED = 1           # the consumer's 4 warps: column maxima (then sums) in smem
 BAR_P = 2             # the consumer's 4 warps: P^T complete in smem
 WARPS = 4
+PE_BYTES = TILE_N * D_PE * 2
+# with two bf16 tiles, the loader hands a tile over every RELEASE_EVERY of its 8 column blocks (each hand-over
+# is a proxy fence that waits for the loader's stores; the consumer works on the other tile meanwhile)
+RELEASE_EVERY = 8
+
+
+def kv_tiles(n: int) -> int:
+    """bf16 c_kv tiles of a CTA of n query rows: two (the loader converts page t + 1 while the consumer
+    computes on page t) where they fit beside Q (n 16), else one. With two, k_pe has a buffer of its own
+    (the raw ring has no room for it); with one, it travels in the raw stage."""
+    return 2 if n == 16 else 1
 
 
 def col_slot(i: int, n: int) -> int:
@@ -77,6 +97,9 @@ class MLADecodeFP8NarrowSm90:
         self.causal = causal
         self.is_split = is_split
         self.n = n
+        self.tiles = kv_tiles(n)
+        self.raw_pe = self.tiles == 1
+        self.release_every = 1 if self.raw_pe else RELEASE_EVERY
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -91,6 +114,11 @@ class MLADecodeFP8NarrowSm90:
                 n, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q, h,
                 num_pages, max_pages, num_splits)
         sPt_layout = cute.tile_to_shape(atom, (n, TILE_N), order=(0, 1))     # P^T [n, 64 keys], K-major
+        # the bf16 tiles side by side; k_pe in the raw stages, or in one buffer of its own (the consumer loads
+        # page t + 1's once S of page t is done)
+        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V, self.tiles), order=(0, 1, 2))
+        if const_expr(not self.raw_pe):
+            sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, 1), order=(0, 1, 2))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -108,7 +136,7 @@ class MLADecodeFP8NarrowSm90:
             sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPt_layout)], 1024]
             raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.tiles * (KV_BLOCKS + 1) + (not self.raw_pe)]
             red: cute.struct.MemRange[Float32, 2 * WARPS * n]
 
         self.shared_storage = SharedStorage
@@ -136,10 +164,16 @@ class MLADecodeFP8NarrowSm90:
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        kv_full = storage.kv_mbar.data_ptr()
-        kv_empty = kv_full + KV_BLOCKS
+        tiles = self.tiles
+        raw_pe = self.raw_pe
+        kv_full = storage.kv_mbar.data_ptr()                 # [tiles][KV_BLOCKS]
+        kv_empty = kv_full + tiles * KV_BLOCKS               # [tiles]
+        pe_full = kv_empty + tiles                           # the k_pe buffer's TMA (one phase a page)
+        if const_expr(not raw_pe):
+            if tidx == 0:
+                cute.arch.mbarrier_init(pe_full, 1)
         raw_pipe, q_pipe, sQ, sKV, sPE, sRaw = fp8_kernel_setup(
-            tidx, storage, CONSUMER_THREADS, n, sQ_layout, sKV_layout, sPE_layout, sRaw_layout)
+            tidx, storage, CONSUMER_THREADS, n, sQ_layout, sKV_layout, sPE_layout, sRaw_layout, tiles, raw_pe)
         sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
         sRed = storage.red.get_tensor(cute.make_layout((n, WARPS, 2), stride=(1, n, WARPS * n)))
 
@@ -150,7 +184,8 @@ class MLADecodeFP8NarrowSm90:
         if wg == 0:
             fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, 0, n, tma_raw, mRaw_tma, sRaw,
                        tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
-                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start)
+                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start,
+                       tiles, raw_pe, self.release_every)
         else:
             ctid = tidx - 128
             warp = ctid // 32
@@ -163,8 +198,8 @@ class MLADecodeFP8NarrowSm90:
             tSrKpe = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sPE))
             tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ_nope))
             tSrQpe = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ_pe))
-            # V^T [512, 64 keys] and P^T as [64 keys, n]: views of the K-major tiles, (a, b) -> their (b, a)
-            sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+            # V^T [512, 64 keys] (a tile) and P^T as [64 keys, n]: views of the K-major tiles, (a, b) -> their (b, a)
+            sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N, tiles), stride=(TILE_N, 1, TILE_N * D_V)))
             sP_keys = cute.composition(sPt, cute.make_layout((TILE_N, n), stride=(n, 1)))
             tOrV = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sVt))
             tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sPt))
@@ -174,6 +209,14 @@ class MLADecodeFP8NarrowSm90:
             acc_o.fill(0.0)
             tOcO = thr_pv.partition_C(cute.make_identity_tensor((D_V, n)))
             rP = cute.make_fragment_like(acc_s, self.dtype)
+            # without raw_pe this warp group loads each page's k_pe (its warp 0, once every warp's S of the page
+            # before is done; the loader prefetched it into L2 with the page's raw bytes)
+            gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
+            tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                             cute.group_modes(gPE, 0, 2))
+            if const_expr(not raw_pe):
+                if warp == 0 and n_tiles > 0:
+                    _load_pe(tma_pe, tPg, tPs, pe_full, mBT[batch, first_page], lane)
 
             # this thread's keys: rows k0 and k0 + 8 of each page; its columns (query rows): slot s is
             # column 8 (s // 2) + 2 (lane % 4) + s % 2
@@ -196,13 +239,20 @@ class MLADecodeFP8NarrowSm90:
             raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
             for t in cutlass.range(n_tiles, unroll=1):
                 tok0 = start + t * TILE_N
-                raw_pipe.consumer_wait(raw_c)
-                # -- S^T = Kpe Q_pe^T + K Q_nope^T, each 64-column block of K as soon as it is converted --
-                _qk_gemm(tiled_mma_qk, acc_s, tSrK, tSrQ, tSrKpe[None, None, None, raw_c.index], tSrQpe,
-                         kv_full, t % 2)
-                cute.arch.sync_warp()
-                raw_pipe.consumer_release(raw_c)
-                raw_c.advance()
+                tile = t % tiles
+                # -- S^T = K Q_nope^T + Kpe Q_pe^T, K's column blocks as soon as the loader hands them over --
+                if const_expr(raw_pe):
+                    raw_pipe.consumer_wait(raw_c)
+                    _qk_gemm_pe_first(tiled_mma_qk, acc_s, tSrK[None, None, None, tile], tSrQ,
+                                      tSrKpe[None, None, None, raw_c.index], tSrQpe, kv_full + tile * KV_BLOCKS,
+                                      (t // tiles) % 2)
+                    cute.arch.sync_warp()
+                    raw_pipe.consumer_release(raw_c)
+                    raw_c.advance()
+                else:
+                    _qk_gemm(tiled_mma_qk, acc_s, tSrK[None, None, None, tile], tSrQ, tSrKpe[None, None, None, 0],
+                             tSrQpe, kv_full + tile * KV_BLOCKS, (t // tiles) % 2, pe_full, t % 2,
+                             self.release_every)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[i] = acc_s[i] * scale_log2
                 if tok0 + TILE_N > min_vis:
@@ -219,6 +269,10 @@ class MLADecodeFP8NarrowSm90:
                     if lane < 4:
                         sRed[cols[s], warp, t % 2] = mx[s]
                 cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+                # every warp's S of page t is done: the k_pe buffer takes page t + 1's
+                if const_expr(not raw_pe):
+                    if warp == 0 and t + 1 < n_tiles:
+                        _load_pe(tma_pe, tPg, tPs, pe_full, mBT[batch, first_page + t + 1], lane)
                 for s in cutlass.range_constexpr(slots):
                     m_new = col_m[s]
                     for w in cutlass.range_constexpr(WARPS):
@@ -234,11 +288,11 @@ class MLADecodeFP8NarrowSm90:
                 # generic-proxy writes of P^T -> visible to wgmma (async proxy), then to all 4 warps' wgmma
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
-                # -- O^T = alpha O^T + V^T P^T, then the bf16 tile is free for the next page --
+                # -- O^T = alpha O^T + V^T P^T, then the bf16 tile is free for page t + tiles --
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     acc_o[i] = acc_o[i] * alpha[col_slot(i, n)]
-                _pv_gemm(tiled_mma_pv, acc_o, tOrV, tOrP)
-                cute.arch.mbarrier_arrive(kv_empty)
+                _pv_gemm(tiled_mma_pv, acc_o, tOrV[None, None, None, tile], tOrP)
+                cute.arch.mbarrier_arrive(kv_empty + tile)
 
             # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
             par = n_tiles % 2              # the maxima buffer no warp reads any more
@@ -273,3 +327,36 @@ class MLADecodeFP8NarrowSm90:
                         else:
                             mLse[batch, cols[s]] = lse[s]
 
+
+
+@cute.jit
+def _load_pe(tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, pe_full: cute.Pointer, page: Int32,
+             lane: Int32):
+    """A page's k_pe [64, 64] bf16 by TMA into the k_pe buffer, on pe_full (called by one whole warp)."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(pe_full, PE_BYTES)
+    cute.copy(tma_pe, tPg[None, page], tPs[None, 0], tma_bar_ptr=pe_full)
+
+
+@cute.jit
+def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrK: cute.Tensor, tSrQ: cute.Tensor,
+             tSrKpe: cute.Tensor, tSrQpe: cute.Tensor, kv_full: cute.Pointer, phase: Int32, pe_full: cute.Pointer,
+             pe_phase: Int32, release_every: cutlass.Constexpr[int]):
+    """acc = K Q_nope^T + Kpe Q_pe^T as one wgmma group, waited for: K's k-steps on each group of
+    `release_every` 64-column blocks once the loader's kv_full[group] completes its phase `phase`, then k_pe's
+    once its TMA completed (pe_full's phase `pe_phase`), which had the c_kv k-steps' time to land."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    steps = cute.size(tSrK.shape[2])
+    group = steps // KV_BLOCKS * release_every
+    for k in cutlass.range_constexpr(steps):
+        if const_expr(k % group == 0):
+            cute.arch.mbarrier_wait(kv_full + k // group, phase)
+        cute.gemm(atom, acc, tSrK[None, None, k], tSrQ[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    cute.arch.mbarrier_wait(pe_full, pe_phase)
+    for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
+        cute.gemm(atom, acc, tSrKpe[None, None, k], tSrQpe[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
