@@ -5,7 +5,9 @@
     python scripts/cutedsl_check.py --compile  # compile every specialization only (works without a GPU
                                                # with CUTE_DSL_ARCH=sm_90a), print compile seconds
     python scripts/cutedsl_check.py --fp8      # the FP8-KV kernel instead: its shapes, then FP8 vs bf16
-                                               # timings (--fp8 --quick, --fp8 --compile as above)
+                                               # timings (--fp8 --quick, --fp8 --compile as above; --fp8
+                                               # --bench-only [--narrow]: the timings alone, [those of the
+                                               # keys-on-M kernel's shapes])
     python scripts/cutedsl_check.py --clusters # shapes of several 64-row tiles: time each cluster size
                                                # (CTAs sharing every page's load by TMA multicast)
 
@@ -200,10 +202,13 @@ def check_fp8(quick: bool) -> int:
     return failed
 
 
-def bench_fp8() -> None:
-    """FP8 against bf16 KV, both through this kernel family, at b128 s_k 8192 (memory-bound h16 first)."""
+def bench_fp8(narrow: bool = False, shapes=None) -> None:
+    """FP8 against bf16 KV, both through this kernel family, at b128 s_k 8192 (memory-bound h16 first);
+    `narrow`: only shapes of <= 32 query rows (the keys-on-M FP8 kernel's); `shapes`: these (s_q, h) instead."""
     import triton.testing
-    for s_q, h in ((1, 16), (1, 32), (1, 64), (1, 128), (2, 128)):
+    if shapes is None:
+        shapes = ((1, 16), (2, 8), (1, 32), (2, 16)) if narrow else ((1, 16), (1, 32), (1, 64), (1, 128), (2, 128))
+    for s_q, h in shapes:
         b, s_k = 128, 8192
         q, kv, table, seqlens = make_case([s_k] * b, s_q, h, torch.bfloat16, 0)
         _, kv8, _, _ = make_fp8_case([s_k] * b, s_q, h, 0)
@@ -234,6 +239,9 @@ def main_fp8(args) -> int:
         compile_fp8()
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "(FP8 KV)", flush=True)
+    if args.bench_only:
+        bench_fp8(args.narrow)
+        return 0
     t0 = time.perf_counter()
     failed = check_fp8(args.quick)
     print(f"{failed} failed; compile seconds {cd.compile_seconds}; {time.perf_counter() - t0:.0f}s", flush=True)
@@ -248,6 +256,8 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--clusters", action="store_true")
+    ap.add_argument("--bench-only", action="store_true", help="with --fp8: the timings alone")
+    ap.add_argument("--narrow", action="store_true", help="with --fp8 --bench-only: <= 32 query rows only")
     args = ap.parse_args()
     if args.clusters:
         sweep_clusters()
