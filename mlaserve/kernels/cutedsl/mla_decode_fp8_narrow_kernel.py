@@ -34,8 +34,8 @@ Two layouts (kv_tiles):
   travels in the raw stage (2 x 41984), which the consumer releases too once S is done.
 
 Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8 --bench-only --narrow, the same
-process order against the one-tile kernel): h 16 270.9-273.9 -> 233.0-235.9 us (2.93-2.97 TB/s of FP8
-bytes), 1.07x -> 1.23-1.25x the bf16 kernel; s_q 2 h 8 the same; h 32 2.2 TB/s, 0.99x, unchanged. With
+process order against the one-tile kernel): h 16 270.6-273.7 -> 233.0-235.9 us (2.93-2.97 TB/s of FP8
+bytes), 1.07-1.12x -> 1.23-1.25x the bf16 kernel; s_q 2 h 8 the same; h 32 2.2 TB/s, 0.99x, unchanged. With
 two tiles handed over block by block it took 254 us, and Nsight Compute put the loader's proxy fences (each
 waits for the warp's stores) and the barrier arrivals after them at ~30% of the loader warps' samples;
 whole-tile hand-overs: 233-236 us. Earlier, with one tile: the loader alone (TMA +
