@@ -15,7 +15,7 @@ Here the same page costs N / 64 of that, N = 16 or 32 the query rows padded:
 The softmax runs down the columns of S^T (a query row's keys are one column): each thread holds N / 4
 columns in two rows, warps reduce over their 16 keys by shuffles and the four warps meet in smem.
 
-Warp roles (256 threads): WG 0 is the FP8 kernels' loader (mla_decode_fp8_kernel.fp8_loader: TMA of Q
+Warp roles (256 threads): WG 0 is the FP8 kernels' loader (fp8_pages.fp8_loader: TMA of Q
 and of each page's raw bytes into a 2-stage ring, dequantization of page t into bf16 c_kv tile t % tiles,
 handed over on kv_full); WG 1, the consumer, per page t:
   QK (each group of converted column blocks as it is handed over, k_pe last) -> mask, column maxima (warp
@@ -56,9 +56,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
-    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _qk_gemm as _qk_gemm_pe_first
+from mlaserve.kernels.cutedsl.fp8_pages import (
+    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 from mlaserve.kernels.cutedsl.split_consumers import move_row_max
 
@@ -211,10 +210,10 @@ class MLADecodeFP8NarrowSm90:
             rP = cute.make_fragment_like(acc_s, self.dtype)
             # without raw_pe this warp group loads each page's k_pe (its warp 0, once every warp's S of the page
             # before is done; the loader prefetched it into L2 with the page's raw bytes)
-            gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
-            tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
-                                             cute.group_modes(gPE, 0, 2))
             if const_expr(not raw_pe):
+                gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
+                tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                                 cute.group_modes(gPE, 0, 2))
                 if warp == 0 and n_tiles > 0:
                     _load_pe(tma_pe, tPg, tPs, pe_full, mBT[batch, first_page], lane)
 
@@ -243,16 +242,15 @@ class MLADecodeFP8NarrowSm90:
                 # -- S^T = K Q_nope^T + Kpe Q_pe^T, K's column blocks as soon as the loader hands them over --
                 if const_expr(raw_pe):
                     raw_pipe.consumer_wait(raw_c)
-                    _qk_gemm_pe_first(tiled_mma_qk, acc_s, tSrK[None, None, None, tile], tSrQ,
-                                      tSrKpe[None, None, None, raw_c.index], tSrQpe, kv_full + tile * KV_BLOCKS,
-                                      (t // tiles) % 2)
+                    _qk_gemm(tiled_mma_qk, acc_s, tSrK[None, None, None, tile], tSrQ,
+                             tSrKpe[None, None, None, raw_c.index], tSrQpe, kv_full + tile * KV_BLOCKS,
+                             (t // tiles) % 2)
                     cute.arch.sync_warp()
                     raw_pipe.consumer_release(raw_c)
                     raw_c.advance()
                 else:
                     _qk_gemm(tiled_mma_qk, acc_s, tSrK[None, None, None, tile], tSrQ, tSrKpe[None, None, None, 0],
-                             tSrQpe, kv_full + tile * KV_BLOCKS, (t // tiles) % 2, pe_full, t % 2,
-                             self.release_every)
+                             tSrQpe, kv_full + tile * KV_BLOCKS, (t // tiles) % 2, self.release_every, pe_full, t % 2)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[i] = acc_s[i] * scale_log2
                 if tok0 + TILE_N > min_vis:
@@ -336,27 +334,3 @@ def _load_pe(tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, pe_full:
     if lane == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(pe_full, PE_BYTES)
     cute.copy(tma_pe, tPg[None, page], tPs[None, 0], tma_bar_ptr=pe_full)
-
-
-@cute.jit
-def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrK: cute.Tensor, tSrQ: cute.Tensor,
-             tSrKpe: cute.Tensor, tSrQpe: cute.Tensor, kv_full: cute.Pointer, phase: Int32, pe_full: cute.Pointer,
-             pe_phase: Int32, release_every: cutlass.Constexpr[int]):
-    """acc = K Q_nope^T + Kpe Q_pe^T as one wgmma group, waited for: K's k-steps on each group of
-    `release_every` 64-column blocks once the loader's kv_full[group] completes its phase `phase`, then k_pe's
-    once its TMA completed (pe_full's phase `pe_phase`), which had the c_kv k-steps' time to land."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, False)
-    steps = cute.size(tSrK.shape[2])
-    group = steps // KV_BLOCKS * release_every
-    for k in cutlass.range_constexpr(steps):
-        if const_expr(k % group == 0):
-            cute.arch.mbarrier_wait(kv_full + k // group, phase)
-        cute.gemm(atom, acc, tSrK[None, None, k], tSrQ[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    cute.arch.mbarrier_wait(pe_full, pe_phase)
-    for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
-        cute.gemm(atom, acc, tSrKpe[None, None, k], tSrQpe[None, None, k], acc)
-    warpgroup.commit_group()
-    warpgroup.wait_group(0)

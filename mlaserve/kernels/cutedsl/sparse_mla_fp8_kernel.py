@@ -3,8 +3,8 @@
 One CTA = 64 heads of one query token x one split of that token's top-k, the grid of the bf16 sparse kernel
 (sparse_mla_kernel.py, whose host setup, CTA prelude, Q load and gather pieces it shares). The rows are
 gathered as there, the e4m3 bytes dequantized as in the dense FP8 kernel
-(mla_decode_fp8_kernel.py, whose helpers this module calls), and the consumers' math is the dense FP8
-kernel's with the sparse kernel's per-key mask.
+(mla_decode_fp8_kernel.py and fp8_pages.py, whose helpers this module calls), and the consumers' math is
+the dense FP8 kernel's with the sparse kernel's per-key mask.
 
 Each cached token is 656 bytes (mlaserve/kernels/fp8_format.py): 512 e4m3 c_kv bytes, 4 fp32 scales, 64 bf16
 k_pe values. Per tile of 64 gathered rows:
@@ -51,7 +51,8 @@ import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _pv_gemm, _qk_gemm, fp8_split_storage
+from mlaserve.kernels.cutedsl.fp8_pages import _pv_gemm, _qk_gemm
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, fp8_split_storage
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     D_QK, D_V, HALF_N, PRODUCER_THREADS, ROW_PASSES, ROWS_PER_PASS, THREADS, TILE_M, TILE_N, consumer_rows, cp16,
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
