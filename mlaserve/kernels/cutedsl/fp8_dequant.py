@@ -31,12 +31,15 @@ def dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.P
     after every `release_every` blocks, so that the consumers' QK starts on the first blocks while the later
     ones are converted. Each release costs a proxy fence, which waits for the warp's shared stores to land.
 
-    Thread p converts the 8 columns p % 8 of each block in rows p // 8 + 16 i (i < 4): one 8-byte load and
-    one 16-byte store each; rows >= `valid` become zeros (multiplier 0). The loader has one warp per SM
-    sub-partition, so nothing else hides its shared-memory latency: the loads of block b + 1 are issued
-    before block b is converted and stored (the asm blocks keep their source order).
+    Thread p converts the 8 columns p % 8 of each block in rows r + 16 i (i < 4), r = 4 ((p // 8) % 4) + p // 32:
+    one 8-byte load and one 16-byte store each; rows >= `valid` become zeros (multiplier 0). A warp's rows are
+    r, r + 4, r + 8, r + 12: raw rows are 528 B apart (16 B more than a multiple of 128), so those rows' 64 bytes
+    of a block sit at bank offsets 64 apart and the warp's 8-byte loads take the 2 wavefronts that 256 bytes need
+    (four consecutive rows overlap on 16-byte steps: 4 wavefronts); its 16-byte stores take the minimum 4 either
+    way. The loader has one warp per SM sub-partition, so nothing else hides its shared-memory latency: the loads
+    of block b + 1 are issued before block b is converted and stored (the asm blocks keep their source order).
     """
-    prow = tidx // 8
+    prow = 4 * ((tidx // 8) % 4) + tidx // 32
     pc = tidx % 8
     swz = (pc ^ (prow % 8)) * 16          # rows prow + 16 i share row % 8
     rows = TILE_N // 16
