@@ -15,6 +15,8 @@ switches, read at launch (so captured with each graph):
   EARLY_SUMS     cutedsl: each consumer's row sums published once final against exchanged after both P Vs
   RANK_ORDER     cutedsl: ticket launches ranking the requests by length in the kernel against the order kernel
                  launched before it (work_order.longest_first)
+  FP8_N32_TWO_TILES  cutedsl: the keys-on-M FP8 kernel at 32 rows with two bf16 tiles and one raw stage against
+                 one tile and two stages (FP8 shapes of 17-32 rows)
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -74,6 +76,7 @@ SWITCHES = {
     "STREAM_K": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STREAM_K")),
     "EARLY_SUMS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "EARLY_SUMS")),
     "RANK_ORDER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "RANK_ORDER")),
+    "FP8_N32_TWO_TILES": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_N32_TWO_TILES")),
     "CLUSTER4": ("cutedsl", _cluster4),
     "GRID_ORDER": ("triton", _grid_order),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),

@@ -39,31 +39,77 @@ def dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.P
     way. The loader has one warp per SM sub-partition, so nothing else hides its shared-memory latency: the loads
     of block b + 1 are issued before block b is converted and stored (the asm blocks keep their source order).
     """
-    prow = 4 * ((tidx // 8) % 4) + tidx // 32
-    pc = tidx % 8
-    swz = (pc ^ (prow % 8)) * 16          # rows prow + 16 i share row % 8
-    rows = TILE_N // 16
-    keep = [_all_ones_if_lt(prow + 16 * i, valid) for i in range(rows)]
-    row_base = [stage_base + (prow + 16 * i) * (RAW_WORDS * 4) for i in range(rows)]
-    # scale j covers columns 128 j .. 128 j + 127: blocks 2 j and 2 j + 1
-    raw = [_ld_shared_b64(row_base[i] + pc * 8) for i in range(rows)]
-    scale = [_ld_shared_b32(row_base[i] + SCALE_WORD * 4) for i in range(rows)]
+    prow, pc = _thread_rows(tidx)
+    keep = _keep(prow, valid)
+    row_base = _row_bases(stage_base, prow)
+    raw = _load_block(row_base, pc, 0)
+    scale = _load_scales(row_base, 0)
     for cb in cutlass.range_constexpr(KV_BLOCKS):
         nxt_raw = raw
         nxt_scale = scale
         if const_expr(cb + 1 < KV_BLOCKS):
-            nxt_raw = [_ld_shared_b64(row_base[i] + (cb + 1) * 64 + pc * 8) for i in range(rows)]
+            nxt_raw = _load_block(row_base, pc, cb + 1)
             if const_expr((cb + 1) % 2 == 0):
-                nxt_scale = [_ld_shared_b32(row_base[i] + (SCALE_WORD + (cb + 1) // 2) * 4) for i in range(rows)]
-        for i in cutlass.range_constexpr(rows):
-            mult = _bf16x2_hi(scale[i] + EXP_120) & keep[i]
-            _convert8_store(raw[i], kv_base + cb * (TILE_N * 128) + (prow + 16 * i) * 128 + swz, mult)
-        # generic-proxy writes -> visible to the consumers' wgmma (async proxy) once they see the barrier
-        if const_expr((cb + 1) % release_every == 0):
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_arrive(kv_full + cb // release_every)
+                nxt_scale = _load_scales(row_base, (cb + 1) // 2)
+        _store_block(raw, scale, prow, pc, keep, kv_base, kv_full, cb, release_every)
         raw = nxt_raw
         scale = nxt_scale
+
+
+def load_raw_page(tidx: Int32, stage_base: Int32):
+    """All the raw stage's bytes that thread `tidx` converts in dequant_tile (8 of each of the 8 column blocks and
+    the 4 scales, in its 4 rows), in registers (80 of them), for store_tile: the loader can free the raw stage
+    before it waits for a bf16 tile."""
+    prow, pc = _thread_rows(tidx)
+    row_base = _row_bases(stage_base, prow)
+    return ([_load_block(row_base, pc, cb) for cb in range(KV_BLOCKS)],
+            [_load_scales(row_base, g) for g in range(KV_BLOCKS // 2)])
+
+
+def store_tile(tidx: Int32, page, kv_base: Int32, kv_full: cute.Pointer, valid: Int32, release_every: int):
+    """dequant_tile's conversion and hand-overs, from load_raw_page's registers (`page`)."""
+    prow, pc = _thread_rows(tidx)
+    keep = _keep(prow, valid)
+    raw, scale = page
+    for cb in range(KV_BLOCKS):
+        _store_block(raw[cb], scale[cb // 2], prow, pc, keep, kv_base, kv_full, cb, release_every)
+
+
+def _thread_rows(tidx: Int32):
+    """(r, c): thread tidx's first row (dequant_tile's docstring says why this order) and its 8-byte column."""
+    return 4 * ((tidx // 8) % 4) + tidx // 32, tidx % 8
+
+
+def _keep(prow: Int32, valid: Int32) -> list:
+    """Per row of the thread: all ones where the row is inside the request (its values kept), else 0."""
+    return [_all_ones_if_lt(prow + 16 * i, valid) for i in range(TILE_N // 16)]
+
+
+def _row_bases(stage_base: Int32, prow: Int32) -> list:
+    return [stage_base + (prow + 16 * i) * (RAW_WORDS * 4) for i in range(TILE_N // 16)]
+
+
+def _load_block(row_base: list, pc: Int32, cb: int) -> list:
+    """The thread's 8 e4m3 bytes of column block cb in each of its rows."""
+    return [_ld_shared_b64(b + cb * 64 + pc * 8) for b in row_base]
+
+
+def _load_scales(row_base: list, g: int) -> list:
+    """Scale g (columns 128 g .. 128 g + 127: blocks 2 g and 2 g + 1) of each of the thread's rows."""
+    return [_ld_shared_b32(b + (SCALE_WORD + g) * 4) for b in row_base]
+
+
+def _store_block(raw: list, scale: list, prow: Int32, pc: Int32, keep: list, kv_base: Int32,
+                 kv_full: cute.Pointer, cb: int, release_every: int):
+    """Column block cb of the thread's rows into the bf16 tile, then (every `release_every` blocks) the proxy
+    fence that makes the generic-proxy stores visible to the consumers' wgmma and the hand-over."""
+    swz = (pc ^ (prow % 8)) * 16          # rows prow + 16 i share row % 8
+    for i in range(TILE_N // 16):
+        mult = _bf16x2_hi(scale[i] + EXP_120) & keep[i]
+        _convert8_store(raw[i], kv_base + cb * (TILE_N * 128) + (prow + 16 * i) * 128 + swz, mult)
+    if (cb + 1) % release_every == 0:
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_arrive(kv_full + cb // release_every)
 
 
 @dsl_user_op

@@ -14,7 +14,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
+from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page, store_tile
 
 TILE_N = 64           # cached tokens per tile: one page
 D_QK = 576
@@ -28,13 +28,13 @@ LOADER_THREADS = 128
 
 
 def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
-                   batch, s_q, h, num_pages, max_pages, num_splits):
+                   batch, s_q, h, num_pages, max_pages, num_splits, raw_stages: int = RAW_STAGES):
     """The host-side pieces both FP8 dense kernels (mla_decode_fp8_kernel.py, mla_decode_fp8_narrow_kernel.py)
     build alike,
     from `__call__`'s arguments (see MLADecodeFP8Sm90.__call__), for CTAs of `q_rows` query rows:
       tensors (block table, seqlens, out, lse, partial out, partial lse),
       smem layouts (the 128-byte-swizzle K-major atom; Q [q_rows, 576]; the bf16 c_kv tile [64, 512]; the
-        raw ring's k_pe [64, 64, stages] and bytes [64, 132 words, stages], plain row-major),
+        raw ring's k_pe [64, 64, raw_stages] and bytes [64, 132 words, raw_stages], plain row-major),
       TMA atoms with their tensors (Q, the raw bytes, k_pe)."""
     dtype = cutlass.BFloat16
     rows = s_q * h
@@ -54,8 +54,8 @@ def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, ou
         sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, D_QK), dtype)
     sQ_layout = cute.tile_to_shape(atom, (q_rows, D_QK), order=(0, 1))
     sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
-    sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
-    sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES), stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
+    sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, raw_stages), order=(0, 1, 2))
+    sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, raw_stages), stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
 
     tma_op = cpasync.CopyBulkTensorTileG2SOp()
     tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (q_rows, D_QK))
@@ -70,7 +70,7 @@ def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, ou
 
 def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, sQ_layout: cute.ComposedLayout,
                      sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sRaw_layout: cute.Layout,
-                     tiles: int = 1, raw_pe: bool = True):
+                     tiles: int = 1, raw_pe: bool = True, raw_stages: int = RAW_STAGES):
     """In the FP8 dense kernels, before the warp roles split: thread 0 initializes the bf16 tiles' barriers in
     `storage.kv_mbar` (per tile KV_BLOCKS kv_full, each completed by the loader's 128 threads; then a kv_empty a
     tile, by the `consumer_threads`); the raw ring's pipeline (a stage is freed by the 4 loader warps,
@@ -79,7 +79,7 @@ def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, s
     -> (raw_pipe, q_pipe, sQ, sKV, sPE, sRaw)."""
     _init_tile_barriers(tidx, storage.kv_mbar.data_ptr(), consumer_threads, tiles)
     raw_pipe = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.raw_mbar.data_ptr(), num_stages=RAW_STAGES,
+        barrier_storage=storage.raw_mbar.data_ptr(), num_stages=raw_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
         consumer_group=pipeline.CooperativeGroup(
             pipeline.Agent.Thread, (LOADER_THREADS + (consumer_threads if raw_pe else 0)) // 32),
@@ -113,20 +113,22 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                raw_base: Int32, kv_base: Int32, kv_full: cute.Pointer, kv_empty: cute.Pointer, mBT: cute.Tensor,
                batch: Int32, first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32,
                tiles: cutlass.Constexpr[int] = 1, raw_pe: cutlass.Constexpr[bool] = True,
-               release_every: cutlass.Constexpr[int] = 1):
+               release_every: cutlass.Constexpr[int] = 1, raw_stages: cutlass.Constexpr[int] = RAW_STAGES):
     """The loader warpgroup of the FP8 dense kernels (mla_decode_fp8_kernel.py, the narrow one): warp 0
     loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes (and, `raw_pe`, their
-    k_pe) by TMA into the raw ring; all four warps dequantize page t into bf16 c_kv tile t % `tiles` (the
+    k_pe) by TMA into the ring of `raw_stages` stages; all four warps dequantize page t into bf16 c_kv tile t % `tiles` (the
     tiles side by side from shared address kv_base) once the consumers freed it (kv_empty + tile), releasing
     it every `release_every` blocks on kv_full + tile * KV_BLOCKS + block // release_every, then free the raw
-    stage."""
+    stage. With one raw stage (k_pe not in it: `raw_pe` False), each thread first takes its share of the stage into
+    registers (fp8_dequant.load_raw_page) and the stage is freed, and page t + 1's TMA issued, before the wait for
+    the tile and the conversion: the page in flight then lands while page t is converted."""
     gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
     gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
     tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
                                      cute.group_modes(gRaw, 0, 2))
     tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
                                      cute.group_modes(gPE, 0, 2))
-    raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RAW_STAGES)
+    raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, raw_stages)
     if warp_idx == 0:
         gQ = cute.local_tile(mQ_tma[None, None, batch], (q_rows, D_QK), (m_block, 0))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
@@ -134,27 +136,39 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_pipe.producer_acquire(q_state)
         cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-    for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
+    for t in cutlass.range(cutlass.min(n_tiles, raw_stages), unroll=1):
         if warp_idx == 0:
             _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, mBT[batch, first_page + t], raw_pe)
         raw_p.advance()
 
-    raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+    regs = raw_stages == 1
+    raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, raw_stages)
     for t in cutlass.range(n_tiles, unroll=1):
         valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
         tile = t % tiles
         raw_pipe.consumer_wait(raw_c)
-        cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
-        dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base + tile * (TILE_N * D_V * 2),
-                     kv_full + tile * KV_BLOCKS, valid, release_every)
+        if const_expr(regs):
+            page = load_raw_page(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4))
+            # the loads (generic proxy) are ordered before the stage is freed for the next page's TMA (async
+            # proxy). Without this fence the H200 showed reads of bytes that TMA had already overwritten: N 32 off
+            # by up to 0.38 at b128, one of 17 quick-check shapes at N 16 with one stage (bench/NOTES.md 65)
+            cute.arch.fence_proxy("async.shared", space="cta")
+        else:
+            cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
+            dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4),
+                         kv_base + tile * (TILE_N * D_V * 2), kv_full + tile * KV_BLOCKS, valid, release_every)
         cute.arch.sync_warp()
         raw_pipe.consumer_release(raw_c)
         raw_c.advance()
         if warp_idx == 0:
-            if t + RAW_STAGES < n_tiles:
+            if t + raw_stages < n_tiles:
                 _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs,
-                           mBT[batch, first_page + t + RAW_STAGES], raw_pe)
+                           mBT[batch, first_page + t + raw_stages], raw_pe)
         raw_p.advance()
+        if const_expr(regs):
+            cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
+            store_tile(tidx, page, kv_base + tile * (TILE_N * D_V * 2), kv_full + tile * KV_BLOCKS, valid,
+                       release_every)
 
 
 @cute.jit

@@ -167,6 +167,12 @@ TRACE = False
 # 16-bit KV and the 64-row FP8 kernel: O (or the fp32 split partials) stored 16 bytes at a time after a transpose
 # within each quad (False: the accumulator's 4/8-byte pairs, or value by value; for A/B runs)
 STORE_16B = True
+# the keys-on-M FP8 kernel at 32 rows: two bf16 tiles and one raw stage (the loader frees it as soon as the page's
+# bytes are in its registers) against one tile and two raw stages. Off until the FP8 GPU tests have run on it: with
+# the proxy fence after the loads it passed scripts/cutedsl_check.py --fp8 --quick and agreed with the one-tile
+# kernel to 1.95e-3 at b128 h32 s_k 8192, 1.08x faster (3 rounds), but the whole test suite has not run on that
+# form (bench/NOTES.md 65)
+FP8_N32_TWO_TILES = False
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
@@ -277,6 +283,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("late-sums",)
     if rank_order:
         key += ("rank-order",)
+    if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
+        key += ("one-tile",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -287,7 +295,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         t0 = time.perf_counter()
         if kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow),
+            tiles = 1 if narrow == 32 and not FP8_N32_TWO_TILES else None
+            fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow, tiles=tiles),
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")

@@ -16,7 +16,7 @@ The softmax runs down the columns of S^T (a query row's keys are one column): ea
 columns in two rows, warps reduce over their 16 keys by shuffles and the four warps meet in smem.
 
 Warp roles (256 threads): WG 0 is the FP8 kernels' loader (fp8_pages.fp8_loader: TMA of Q
-and of each page's raw bytes into a 2-stage ring, dequantization of page t into bf16 c_kv tile t % tiles,
+and of each page's raw bytes into the raw ring, dequantization of page t into bf16 c_kv tile t % tiles,
 handed over on kv_full); WG 1, the consumer, per page t:
   QK (each group of converted column blocks as it is handed over, k_pe last) -> mask, column maxima (warp
   shuffles, then the 4 warps through red[t % 2] and named barrier BAR_RED) -> P^T into smem, fence, BAR_P
@@ -24,25 +24,26 @@ handed over on kv_full); WG 1, the consumer, per page t:
 P^T of page t is written after BAR_RED of page t, which every warp reaches only after waiting for its
 P V of page t - 1: no warp's wgmma still reads the old P^T.
 
-Two layouts (kv_tiles):
-- N 16: two bf16 tiles, so that the loader converts page t + 1 while the consumer works on page t, handed
-  over whole (RELEASE_EVERY 8: one proxy fence a page). The raw ring then has no room for k_pe (Q 18432 +
-  tiles 131072 + raw 2 x 33792 + k_pe 8192 + P^T 2048 = 227328 B of 232448): one k_pe buffer, which the
-  consumer's warp 0 fills by TMA for page t + 1 once every warp's S of page t is done (after BAR_RED), the
-  loader having prefetched it into L2 with the page's raw bytes; QK takes k_pe's k-steps last.
-- N 32: one tile (Q is 36864 B), handed over block by block so that QK overlaps the conversion; k_pe
-  travels in the raw stage (2 x 41984), which the consumer releases too once S is done.
+Layouts (`tiles`, raw_stages):
+- Two bf16 tiles (N 16; N 32 with mla_decode.FP8_N32_TWO_TILES), so that the loader converts page t + 1
+  while the consumer works on page t, handed over whole (RELEASE_EVERY 8: one proxy fence a page). The
+  raw ring then has no room for k_pe: one k_pe buffer, which the consumer's warp 0 fills by TMA for page
+  t + 1 once every warp's S of page t is done (after BAR_RED), the loader having prefetched it into L2 with
+  the page's raw bytes; QK takes k_pe's k-steps last. N 16: Q 18432 + tiles 131072 + raw 2 x 33792 + k_pe
+  8192 + P^T 2048 = 227328 B of 232448. N 32: Q 36864 leaves room for one raw stage (214016 B), which the
+  loader frees as soon as its threads hold the page's bytes in registers (fp8_dequant.load_raw_page), so
+  that page t + 1 lands while page t is converted.
+- One tile (N 32 by default), handed over block by block so that QK overlaps the conversion; k_pe travels
+  in the raw stage (2 x 41984), which the consumer releases too once S is done.
 
-Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8 --bench-only --narrow, the same
-process order against the one-tile kernel): h 16 270.6-273.7 -> 233.0-235.9 us (2.93-2.97 TB/s of FP8
-bytes), 1.07-1.12x -> 1.23-1.25x the bf16 kernel; s_q 2 h 8 the same; h 32 2.2 TB/s, 0.99x, unchanged. With
-two tiles handed over block by block it took 254 us, and Nsight Compute put the loader's proxy fences (each
-waits for the warp's stores) and the barrier arrivals after them at ~30% of the loader warps' samples;
-whole-tile hand-overs: 233-236 us. Earlier, with one tile: the loader alone (TMA +
-conversion, no math) took 197 us at h 16 and the consumer alone (no conversion) 203 us; releasing the tile
-per column block as P V finished each one, and a third raw stage, measured 7% slower / no faster. 1.6x
-the bf16 kernel (<= 185 us) needs the consumer's page chain shorter (one warpgroup: QK, the softmax's two
-named barriers, P V, each waited for) and two tiles at N 32, which do not fit beside its Q.
+Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8 --bench-only, bench/NOTES.md 63-65):
+h 16 223.0-224.8 us (3.08-3.11 TB/s of FP8 bytes), 1.30-1.31x the bf16 kernel; s_q 2 h 8 the same; h 32 with
+one tile 295.3-295.8 us, 1.02-1.03x; with two tiles 275.2 against 298.6 us (decode_ab, 3 rounds). One tile at
+N 16 took 270.6-273.7 us. Two tiles handed over block by block took 254 us: Nsight Compute put the loader's
+proxy fences (each waits for the warp's stores) and the barrier arrivals after them at ~30% of the loader warps'
+samples. What bounds N 16 now is shared memory: ~295 KB a page (TMA writes, the loader's loads and tile
+stores, wgmma's reads of K, V and Q^T), ~94 B a cycle at 223 us; a second consumer warpgroup on alternate
+pages, and freeing the raw stage before the conversion, both measured 4-5% slower.
 """
 
 import math
@@ -73,10 +74,16 @@ RELEASE_EVERY = 8
 
 
 def kv_tiles(n: int) -> int:
-    """bf16 c_kv tiles of a CTA of n query rows: two (the loader converts page t + 1 while the consumer
-    computes on page t) where they fit beside Q (n 16), else one. With two, k_pe has a buffer of its own
-    (the raw ring has no room for it); with one, it travels in the raw stage."""
-    return 2 if n == 16 else 1
+    """bf16 c_kv tiles of a CTA of n query rows, unless the caller picks: two (the loader converts page t + 1
+    while the consumer computes on page t; k_pe then has a buffer of its own, the raw ring having no room for
+    it). mla_decode passes one for N 32 (k_pe in the raw stage) unless FP8_N32_TWO_TILES."""
+    return 2
+
+
+def raw_stages(n: int, tiles: int) -> int:
+    """Raw ring stages beside Q and the tiles: two, or one where two tiles sit beside N 32's Q (36864 + 131072 +
+    33792 + k_pe 8192 + P^T 4096 = 214016 B; a second stage would be 247808)."""
+    return 1 if (n, tiles) == (32, 2) else RAW_STAGES
 
 
 def col_slot(i: int, n: int) -> int:
@@ -90,15 +97,16 @@ class MLADecodeFP8NarrowSm90:
     """Compiled per (causal, split, n) with n = 16 or 32 query rows per CTA; q, out bf16. Launched by
     mla_decode.py through `__call__`, with the arguments of MLADecodeFP8Sm90."""
 
-    def __init__(self, causal: bool, is_split: bool, n: int):
+    def __init__(self, causal: bool, is_split: bool, n: int, tiles: int | None = None):
         assert n in (16, 32)
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
         self.n = n
-        self.tiles = kv_tiles(n)
+        self.tiles = kv_tiles(n) if tiles is None else tiles
         self.raw_pe = self.tiles == 1
         self.release_every = 1 if self.raw_pe else RELEASE_EVERY
+        self.raw_stages = raw_stages(n, self.tiles)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -111,7 +119,7 @@ class MLADecodeFP8NarrowSm90:
         (mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout), \
             (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma) = fp8_host_setup(
                 n, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q, h,
-                num_pages, max_pages, num_splits)
+                num_pages, max_pages, num_splits, self.raw_stages)
         sPt_layout = cute.tile_to_shape(atom, (n, TILE_N), order=(0, 1))     # P^T [n, 64 keys], K-major
         # the bf16 tiles side by side; k_pe in the raw stages, or in one buffer of its own (the consumer loads
         # page t + 1's once S of page t is done)
@@ -133,7 +141,7 @@ class MLADecodeFP8NarrowSm90:
             sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
             sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
             sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPt_layout)], 1024]
-            raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
+            raw_mbar: cute.struct.MemRange[cutlass.Int64, self.raw_stages * 2]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.tiles * (KV_BLOCKS + 1) + (not self.raw_pe)]
             red: cute.struct.MemRange[Float32, 2 * WARPS * n]
@@ -172,7 +180,8 @@ class MLADecodeFP8NarrowSm90:
             if tidx == 0:
                 cute.arch.mbarrier_init(pe_full, 1)
         raw_pipe, q_pipe, sQ, sKV, sPE, sRaw = fp8_kernel_setup(
-            tidx, storage, CONSUMER_THREADS, n, sQ_layout, sKV_layout, sPE_layout, sRaw_layout, tiles, raw_pe)
+            tidx, storage, CONSUMER_THREADS, n, sQ_layout, sKV_layout, sPE_layout, sRaw_layout, tiles, raw_pe,
+            self.raw_stages)
         sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
         sRed = storage.red.get_tensor(cute.make_layout((n, WARPS, 2), stride=(1, n, WARPS * n)))
 
@@ -184,7 +193,7 @@ class MLADecodeFP8NarrowSm90:
             fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, 0, n, tma_raw, mRaw_tma, sRaw,
                        tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
                        storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start,
-                       tiles, raw_pe, self.release_every)
+                       tiles, raw_pe, self.release_every, self.raw_stages)
         else:
             ctid = tidx - 128
             warp = ctid // 32
@@ -235,7 +244,7 @@ class MLADecodeFP8NarrowSm90:
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
-            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.raw_stages)
             for t in cutlass.range(n_tiles, unroll=1):
                 tok0 = start + t * TILE_N
                 tile = t % tiles
