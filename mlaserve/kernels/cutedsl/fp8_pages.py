@@ -1,9 +1,9 @@
 """How the CuTe DSL FP8 decode kernels (mla_decode_fp8_kernel.py, mla_decode_fp8_narrow_kernel.py,
 sparse_mla_fp8_kernel.py) bring the 656-byte FP8 pages in and multiply on them: the format's layout
 constants, the host-side tensors, smem layouts and TMA atoms, the loader warpgroup (TMA of Q and each page's
-raw bytes into a 2-stage ring, dequantization into bf16 tiles handed over on mbarriers: fp8_dequant.py), and
-the QK / PV wgmma groups on those tiles. mla_decode_fp8_kernel.py's docstring describes the format and the
-barriers per page.
+raw bytes into a ring of RAW_STAGES stages, or one, dequantization into bf16 tiles handed over on mbarriers:
+fp8_dequant.py), and the QK / PV wgmma groups on those tiles. mla_decode_fp8_kernel.py's docstring describes
+the format and the barriers per page.
 """
 
 import cutlass
@@ -116,12 +116,13 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                release_every: cutlass.Constexpr[int] = 1, raw_stages: cutlass.Constexpr[int] = RAW_STAGES):
     """The loader warpgroup of the FP8 dense kernels (mla_decode_fp8_kernel.py, the narrow one): warp 0
     loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes (and, `raw_pe`, their
-    k_pe) by TMA into the ring of `raw_stages` stages; all four warps dequantize page t into bf16 c_kv tile t % `tiles` (the
-    tiles side by side from shared address kv_base) once the consumers freed it (kv_empty + tile), releasing
-    it every `release_every` blocks on kv_full + tile * KV_BLOCKS + block // release_every, then free the raw
-    stage. With one raw stage (k_pe not in it: `raw_pe` False), each thread first takes its share of the stage into
-    registers (fp8_dequant.load_raw_page) and the stage is freed, and page t + 1's TMA issued, before the wait for
-    the tile and the conversion: the page in flight then lands while page t is converted."""
+    k_pe) by TMA into the ring of `raw_stages` stages; all four warps dequantize page t into bf16 c_kv tile
+    t % `tiles` (the tiles side by side from shared address kv_base) once the consumers freed it (kv_empty +
+    tile), releasing it every `release_every` blocks on kv_full + tile * KV_BLOCKS + block // release_every,
+    then free the raw stage. With one raw stage (k_pe not in it: `raw_pe` False), each thread first takes its
+    share of the stage into registers (fp8_dequant.load_raw_page) and the stage is freed, and page t + 1's TMA
+    issued, before the wait for the tile and the conversion: the page in flight lands while page t is
+    converted."""
     gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
     gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
     tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
