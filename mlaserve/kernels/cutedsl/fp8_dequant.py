@@ -58,12 +58,19 @@ def dequant_tile(tidx: Int32, stage_base: Int32, kv_base: Int32, kv_full: cute.P
 
 def load_raw_page(tidx: Int32, stage_base: Int32):
     """All the raw stage's bytes that thread `tidx` converts in dequant_tile (8 of each of the 8 column blocks and
-    the 4 scales, in its 4 rows), in registers (80 of them), for store_tile: the loader can free the raw stage
-    before it waits for a bf16 tile."""
+    the 4 scales, in its 4 rows), in registers (80 of them), for store_tile: once this returns, the stage may be
+    freed for the next TMA, before the loader waits for a bf16 tile.
+
+    The proxy fence at the end orders these generic-proxy loads before that TMA's async-proxy writes. Without it
+    the H200 showed reads of bytes the TMA had already overwritten (N 32 off by up to 0.38 at b128; one of 17
+    quick-check shapes at N 16 with one raw stage: bench/NOTES.md 65). dequant_tile needs none of its own: its
+    last hand-over fence comes after all its loads."""
     prow, pc = _thread_rows(tidx)
     row_base = _row_bases(stage_base, prow)
-    return ([_load_block(row_base, pc, cb) for cb in range(KV_BLOCKS)],
+    page = ([_load_block(row_base, pc, cb) for cb in range(KV_BLOCKS)],
             [_load_scales(row_base, g) for g in range(KV_BLOCKS // 2)])
+    cute.arch.fence_proxy("async.shared", space="cta")
+    return page
 
 
 def store_tile(tidx: Int32, page, kv_base: Int32, kv_full: cute.Pointer, valid: Int32, release_every: int):

@@ -150,10 +150,6 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
         raw_pipe.consumer_wait(raw_c)
         if const_expr(regs):
             page = load_raw_page(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4))
-            # the loads (generic proxy) are ordered before the stage is freed for the next page's TMA (async
-            # proxy). Without this fence the H200 showed reads of bytes that TMA had already overwritten: N 32 off
-            # by up to 0.38 at b128, one of 17 quick-check shapes at N 16 with one stage (bench/NOTES.md 65)
-            cute.arch.fence_proxy("async.shared", space="cta")
         else:
             cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
             dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4),

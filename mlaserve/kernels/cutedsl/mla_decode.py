@@ -295,7 +295,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         t0 = time.perf_counter()
         if kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
-            tiles = 1 if narrow == 32 and not FP8_N32_TWO_TILES else None
+            tiles = 2 if narrow == 16 or FP8_N32_TWO_TILES else 1
             fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow, tiles=tiles),
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8:

@@ -24,7 +24,7 @@ handed over on kv_full); WG 1, the consumer, per page t:
 P^T of page t is written after BAR_RED of page t, which every warp reaches only after waiting for its
 P V of page t - 1: no warp's wgmma still reads the old P^T.
 
-Layouts (`tiles`, raw_stages):
+Layouts (`tiles`, raw_stages()):
 - Two bf16 tiles (N 16; N 32 with mla_decode.FP8_N32_TWO_TILES), so that the loader converts page t + 1
   while the consumer works on page t, handed over whole (RELEASE_EVERY 8: one proxy fence a page). The
   raw ring then has no room for k_pe: one k_pe buffer, which the consumer's warp 0 fills by TMA for page
@@ -73,13 +73,6 @@ PE_BYTES = TILE_N * D_PE * 2
 RELEASE_EVERY = 8
 
 
-def kv_tiles(n: int) -> int:
-    """bf16 c_kv tiles of a CTA of n query rows, unless the caller picks: two (the loader converts page t + 1
-    while the consumer computes on page t; k_pe then has a buffer of its own, the raw ring having no room for
-    it). mla_decode passes one for N 32 (k_pe in the raw stage) unless FP8_N32_TWO_TILES."""
-    return 2
-
-
 def raw_stages(n: int, tiles: int) -> int:
     """Raw ring stages beside Q and the tiles: two, or one where two tiles sit beside N 32's Q (36864 + 131072 +
     33792 + k_pe 8192 + P^T 4096 = 214016 B; a second stage would be 247808)."""
@@ -94,16 +87,18 @@ def col_slot(i: int, n: int) -> int:
 
 
 class MLADecodeFP8NarrowSm90:
-    """Compiled per (causal, split, n) with n = 16 or 32 query rows per CTA; q, out bf16. Launched by
-    mla_decode.py through `__call__`, with the arguments of MLADecodeFP8Sm90."""
+    """Compiled per (causal, split, n, tiles) with n = 16 or 32 query rows per CTA and 1 or 2 bf16 c_kv tiles
+    (two: the loader converts page t + 1 while the consumer computes on page t, and k_pe has a buffer of its own;
+    one: k_pe travels in the raw stage); q, out bf16. Launched by mla_decode.py through `__call__`, with the
+    arguments of MLADecodeFP8Sm90."""
 
-    def __init__(self, causal: bool, is_split: bool, n: int, tiles: int | None = None):
-        assert n in (16, 32)
+    def __init__(self, causal: bool, is_split: bool, n: int, tiles: int):
+        assert n in (16, 32) and tiles in (1, 2)
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
         self.n = n
-        self.tiles = kv_tiles(n) if tiles is None else tiles
+        self.tiles = tiles
         self.raw_pe = self.tiles == 1
         self.release_every = 1 if self.raw_pe else RELEASE_EVERY
         self.raw_stages = raw_stages(n, self.tiles)
