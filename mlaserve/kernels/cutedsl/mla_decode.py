@@ -168,11 +168,9 @@ TRACE = False
 # within each quad (False: the accumulator's 4/8-byte pairs, or value by value; for A/B runs)
 STORE_16B = True
 # the keys-on-M FP8 kernel at 32 rows: two bf16 tiles and one raw stage (the loader frees it as soon as the page's
-# bytes are in its registers) against one tile and two raw stages. Off until the FP8 GPU tests have run on it: with
-# the proxy fence after the loads it passed scripts/cutedsl_check.py --fp8 --quick and agreed with the one-tile
-# kernel to 1.95e-3 at b128 h32 s_k 8192, 1.08x faster (3 rounds), but the whole test suite has not run on that
-# form (bench/NOTES.md 65)
-FP8_N32_TWO_TILES = False
+# bytes are in its registers) against one tile and two raw stages. On the H200, b128 s_k 4k-32k and b16 s_k 32768:
+# 1.07-1.12x faster, and the FP8 GPU tests pass on it (bench/NOTES.md 65, 67)
+FP8_N32_TWO_TILES = True
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was

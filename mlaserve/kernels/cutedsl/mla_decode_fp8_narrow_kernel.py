@@ -25,7 +25,7 @@ P^T of page t is written after BAR_RED of page t, which every warp reaches only 
 P V of page t - 1: no warp's wgmma still reads the old P^T.
 
 Layouts (`tiles`, raw_stages()):
-- Two bf16 tiles (N 16; N 32 with mla_decode.FP8_N32_TWO_TILES), so that the loader converts page t + 1
+- Two bf16 tiles (N 16; N 32 while mla_decode.FP8_N32_TWO_TILES is on), so that the loader converts page t + 1
   while the consumer works on page t, handed over whole (RELEASE_EVERY 8: one proxy fence a page). The
   raw ring then has no room for k_pe: one k_pe buffer, which the consumer's warp 0 fills by TMA for page
   t + 1 once every warp's S of page t is done (after BAR_RED), the loader having prefetched it into L2 with
@@ -33,12 +33,13 @@ Layouts (`tiles`, raw_stages()):
   8192 + P^T 2048 = 227328 B of 232448. N 32: Q 36864 leaves room for one raw stage (214016 B), which the
   loader frees as soon as its threads hold the page's bytes in registers (fp8_dequant.load_raw_page), so
   that page t + 1 lands while page t is converted.
-- One tile (N 32 by default), handed over block by block so that QK overlaps the conversion; k_pe travels
-  in the raw stage (2 x 41984), which the consumer releases too once S is done.
+- One tile (N 32 with FP8_N32_TWO_TILES off, for A/B runs), handed over block by block so that QK overlaps the
+  conversion; k_pe travels in the raw stage (2 x 41984), which the consumer releases too once S is done.
 
-Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8 --bench-only, bench/NOTES.md 63-65):
+Measured on the H200 (b 128, s_k 8192, scripts/cutedsl_check.py --fp8 --bench-only, bench/NOTES.md 63-67):
 h 16 223.0-224.8 us (3.08-3.11 TB/s of FP8 bytes), 1.30-1.31x the bf16 kernel; s_q 2 h 8 the same; h 32 with
-one tile 295.3-295.8 us, 1.02-1.03x; with two tiles 275.2 against 298.6 us (decode_ab, 3 rounds). One tile at
+one tile 295.3-295.8 us, 1.02-1.03x; with two tiles 275.1 against 298.4 us (decode_ab, 10 rounds; 1.07-1.12x
+over five N 32 shapes). One tile at
 N 16 took 270.6-273.7 us. Two tiles handed over block by block took 254 us: Nsight Compute put the loader's
 proxy fences (each waits for the warp's stores) and the barrier arrivals after them at ~30% of the loader warps'
 samples. What bounds N 16 now is shared memory: ~295 KB a page (TMA writes, the loader's loads and tile
