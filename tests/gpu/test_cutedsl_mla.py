@@ -246,7 +246,7 @@ def test_fp8_matches_reference(case):
     q, kv, table, seqlens = check.make_fp8_case(case["lens"], case["s_q"], case["h"], seed=len(case["lens"]))
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=case["causal"],
                              num_splits=case.get("num_splits"))
-    ok, max_err, why = check.compare(out, lse, *check.fp8_reference(q, kv, table, seqlens, case["causal"]))
+    ok, max_err, why = check.compare_fp8(out, lse, q, kv, table, seqlens, case["causal"])
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
@@ -257,6 +257,42 @@ def test_fp8_cuda_graph_replay_equals_eager():
     plan = cd.plan_mla_decode(b, 2, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
     _replay_equals_eager_and_reference(q, kv, table, seqlens, plan,
                                        lambda: check.fp8_reference(q, kv, table, seqlens))
+
+
+_LONG = [1, 2, 63, 64, 65, 4096] + [1 + (389 * i) % 4096 for i in range(122)]
+
+
+@pytest.mark.parametrize("lens, s_q, h, causal, num_splits", [
+    ([1, 63, 64, 4096], 1, 16, True, None),
+    ([2, 65, 1000, 129], 2, 8, True, None),
+    ([777], 3, 5, True, None),                     # 15 rows, odd heads
+    ([5, 300, 64, 1], 1, 16, False, None),
+    ([3000, 17, 64, 2000], 1, 16, True, 4),        # split-KV partials
+    ([0, 1, 2], 2, 8, True, 3),                    # an empty request, splits past the end
+    (_LONG, 1, 16, True, None),
+    ([8192] * 8, 1, 16, True, 1),                  # 128 pages a CTA: every stage reused many times
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
+def test_fp8_mma_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num_splits):
+    """The <= 16-row kernel with FP8 wgmma on the e4m3 bytes, taken for every split here (FP8_MMA_MIN_PAGES 0), on
+    NaN-poisoned unused slots, against the reference on the cache's exact entries (the scales applied in fp32, as
+    triton's FP8-MMA kernel)."""
+    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + h)
+    monkeypatch.setattr(cd, "FP8_MMA", True)
+    monkeypatch.setattr(cd, "FP8_MMA_MIN_PAGES", 0)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
+def test_fp8_mma_kernel_cuda_graph_replay_equals_eager(monkeypatch):
+    monkeypatch.setattr(cd, "FP8_MMA", True)
+    monkeypatch.setattr(cd, "FP8_MMA_MIN_PAGES", 0)
+    b, h = 4, 16
+    lens = [1 + (977 * i) % 3000 for i in range(b)]
+    q, kv, table, seqlens = check.make_fp8_case(lens, 1, h, seed=b)
+    plan = cd.plan_mla_decode(b, 1, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
+    _replay_equals_eager_and_reference(q, kv, table, seqlens, plan,
+                                       lambda: check.fp8_exact_reference(q, kv, table, seqlens))
 
 
 @pytest.mark.parametrize("s_q, h", [(1, 128), (2, 64)])

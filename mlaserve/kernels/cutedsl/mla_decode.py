@@ -14,9 +14,10 @@ without host work and can be captured in a CUDA graph. The module exposes the pl
 
 Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576]
 with any s_q and h, KV in q's dtype [pages, 64, 576] or, with bf16 q, the FP8 format uint8
-[pages, 64, 656] (dequantized to bf16 in smem: mla_decode_fp8_narrow_kernel.py, keys on wgmma's M
-side, for requests of at most 32 query rows; mla_decode_fp8_kernel.py for more), head_dim_v 512. `nvidia-cutlass-dsl` is
-imported on the first launch only: checks and plans work without it.
+[pages, 64, 656] (at most 16 query rows a request with splits of >= 32 pages: FP8 wgmma on the e4m3 bytes,
+mla_decode_fp8_mma_kernel.py; else dequantized to bf16 in smem: mla_decode_fp8_narrow_kernel.py, keys on
+wgmma's M side, for requests of at most 32 query rows; mla_decode_fp8_kernel.py for more), head_dim_v 512.
+`nvidia-cutlass-dsl` is imported on the first launch only: checks and plans work without it.
 """
 
 import importlib
@@ -171,6 +172,18 @@ STORE_16B = True
 # bytes are in its registers) against one tile and two raw stages. On the H200, b128 s_k 4k-32k and b16 s_k 32768:
 # 1.07-1.12x faster, and the FP8 GPU tests pass on it (bench/NOTES.md 65, 67)
 FP8_N32_TWO_TILES = True
+# FP8 KV at <= 16 rows where each split spans at least FP8_MMA_MIN_PAGES pages: the keys-on-M kernel with FP8 wgmma
+# on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
+# (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69): b128 h16 s_k 4k/8k/32k 1.01/1.06/1.11x,
+# s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k (4-page splits) 0.81x, hence the bound
+FP8_MMA = True
+FP8_MMA_MIN_PAGES = 32
+
+
+def uses_fp8_mma(rows: int, max_pages: int, num_splits: int) -> bool:
+    """Whether an FP8 step of `rows` query rows a request takes the FP8-MMA kernel (host shapes only: the block
+    table's columns and the plan's splits)."""
+    return FP8_MMA and fp8_narrow_cols(rows) == 16 and max_pages >= FP8_MMA_MIN_PAGES * num_splits
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
@@ -261,11 +274,12 @@ def fp8_narrow_cols(rows: int) -> int:
 
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
-            streamk: bool = False, early_sums: bool = True, rank_order: bool = False):
+            streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
-    `ordered` (the 64-row FP8 kernel, unsplit): the grid's request axis through an order of the requests."""
+    `ordered` (the 64-row FP8 kernel, unsplit): the grid's request axis through an order of the requests.
+    `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -283,6 +297,9 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("rank-order",)
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
+    fp8_mma = fp8_mma and kv_fp8 and narrow == 16
+    if fp8_mma:
+        key += ("fp8-mma",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -291,7 +308,11 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         # compile-time stand-ins: only the pointers' types and alignments matter
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         t0 = time.perf_counter()
-        if kv_fp8 and narrow:
+        if fp8_mma:
+            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
+            fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split),
+                              *_fp8_pointers((None,) * 8), *scalars)
+        elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
             tiles = 2 if narrow == 16 or FP8_N32_TWO_TILES else 1
             fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow, tiles=tiles),
@@ -407,7 +428,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
-                 streamk, EARLY_SUMS or kv_fp8, rank_order)
+                 streamk, EARLY_SUMS or kv_fp8, rank_order,
+                 kv_fp8 and uses_fp8_mma(s_q * h, block_table.shape[1], plan.num_splits))
     fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),

@@ -1,0 +1,595 @@
+"""The Hopper (sm_90a) MLA decode over the FP8 656-byte KV format for requests of at most 16 query rows
+(h 16 / h 8 with s_q 1, h 8 with s_q 2), keys on wgmma's M side, with FP8 tensor-core MMAs on the pages' e4m3
+bytes as they arrive: nothing is converted to bf16 (bench/NOTES.md 68).
+
+    S^T [64 keys, 16] = sum_g s_g(key) * (K_g Qh_g^T + K_g Ql_g^T) 2^-a + K_pe Q_pe^T
+        K_g [64, 128]: scale group g's e4m3 box, TMA'd in the 128-byte swizzle (wgmma's A from smem, K-major);
+        Q * 2^a (a per query row: its largest |q| lands in [128, 256)) = Qh + Ql, both e4m3, stacked on N: one
+        m64n32k32 FP8 MMA reads K_g once for both; four group accumulators, the scales applied in fp32.
+    O^T [512, 16] += V^T_m (P_g)^T per 64-dim tile m (g = m // 2)
+        V^T_m [64 dims, 64 keys] as FP8 register A: ldmatrix .trans of the same boxes, one prmt per register;
+        P_g = P * s_g(key) * 256 / max_page(s_g) = Ph + Pl in e4m3 on N (the page maximum rides on the column-max
+        exchange), each tile's product in a fresh accumulator folded into O^T in fp32.
+
+Values: entries are e4m3 * scale exactly (not the bf16 nearest them; fp8_format's docstring), Q and P carried
+to ~2^-8 by their hi + lo parts (e4m3 hi holds 4 significant bits, lo 4 more), as triton's FP8-MMA kernel.
+
+Warp roles (256 threads): two consumer warpgroups on alternate pages (consumer c: pages t = c mod 2 in raw
+stages c and c + 2 of 4, which it refills itself), each with its own O^T, maxima and sums, merged at the end
+through consumer 1's stages. A stage holds a page's four e4m3 boxes (32 KB), its scales [64, 4] fp32 and k_pe.
+Both consumers build Q's hi/lo parts at the start (18 KB of Q from global memory).
+
+Measured on the H200 (bench/NOTES.md 69; decode_ab against the bf16-tile kernel, 10 rounds): b128 h16 s_k
+4k/8k/32k 118.3/212.4/765.1 us against 120.1/224.9/848.2 (1.01/1.06/1.11x; FP8 at 1.33x / 1.41x the bf16
+kernel's 282.5 / 1076.1 us at 8k / 32k), s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k 0.81x (4-page splits:
+Q's parts and the ring's fill are paid per split), hence mla_decode.FP8_MMA_MIN_PAGES. Nsight Compute at b128
+h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts (2067 k).
+
+A thread (lane = 4 q + c of warp w) holds S^T rows (keys) r = 16 w + q and r + 8. V^T's fragments put dims
+2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (fp8_regs' v_dim order) and, within each 16 keys, keys
+2c, 2c + 1, 2c + 8, 2c + 9 on its K columns 4c .. 4c + 3: P^T is stored in that key order (p_key_layout).
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, ROPE_ELEMS, ROW_WORDS, TILE_N
+from mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel import col_slot
+from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
+from mlaserve.kernels.cutedsl.split_consumers import move_row_max
+
+N = 16                # query rows a CTA
+NH = 2 * N            # hi and lo parts on wgmma's N
+STAGES = 4            # consumer c owns stages c and c + 2
+THREADS = 256
+CONSUMER_THREADS = 128
+WARPS = 4
+GROUPS = 4            # scale groups of 128 columns
+M_TILES = D_V // 64
+BAR_Q = 1             # both consumers: Q's parts stored
+BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
+BAR_RED = 3           # + 2 c: consumer c's 4 warps, column and scale maxima (then sums)
+BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
+KV_BYTES = TILE_N * D_V
+SCALE_BYTES = TILE_N * GROUPS * 4
+PE_BYTES = TILE_N * D_PE * 2
+Q_RANGE_EXP = 7       # q * 2^a has its largest |value| in [2^7, 2^8)
+P_RANGE = 256.0
+RED_SLOTS = N + GROUPS  # per warp and parity: the column maxima, then the scale groups' maxima
+
+
+class MLADecodeFP8MmaSm90:
+    """Compiled per (causal, split); q, out bf16. Launched by mla_decode.py through `__call__`, with the arguments
+    of MLADecodeFP8Sm90 (s_q * h <= 16)."""
+
+    def __init__(self, causal: bool, is_split: bool):
+        self.dtype = cutlass.BFloat16
+        self.causal = causal
+        self.is_split = is_split
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
+                 seqlens_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, po_ptr: cute.Pointer,
+                 pl_ptr: cute.Pointer, batch: Int32, s_q: Int32, h: Int32, num_pages: Int32, max_pages: Int32,
+                 num_splits: Int32, scale_log2: Float32, stream):
+        rows = s_q * h
+        n_rows = num_pages * TILE_N
+        f8 = cutlass.Float8E4M3FN
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
+        mKV = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=f8),
+                               cute.make_layout((n_rows, D_V), stride=(ROW_WORDS * 4, 1)))
+        mSc = cute.make_tensor(cute.recast_ptr(kv_ptr + D_V // 4, dtype=Float32),
+                               cute.make_layout((n_rows, GROUPS), stride=(ROW_WORDS, 1)))
+        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+        mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
+        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
+        mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
+                                                        stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
+        mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
+                                                        stride=(num_splits * rows, rows, 1)))
+
+        atom8 = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, D_V), f8)
+        atom16 = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_PE), self.dtype)
+        sK_layout = cute.tile_to_shape(atom8, (TILE_N, D_V, STAGES), order=(0, 1, 2))
+        sQ8_layout = cute.tile_to_shape(atom8, (NH, D_V), order=(0, 1))
+        atom8p = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, TILE_N), f8)
+        sPt_layout = cute.tile_to_shape(atom8p, (NH, TILE_N, 2 * GROUPS), order=(0, 1, 2))
+        sPE_layout = cute.tile_to_shape(atom16, (TILE_N, D_PE, STAGES), order=(0, 1, 2))
+        sQpe_layout = cute.tile_to_shape(atom16, (N, D_PE), order=(0, 1))
+        sSc_layout = cute.make_layout((TILE_N, GROUPS, STAGES), stride=(GROUPS, 1, TILE_N * GROUPS))
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(tma_op, mKV, cute.slice_(sK_layout, (None, None, 0)),
+                                                      (TILE_N, D_V))
+        tma_sc, mSc_tma = cpasync.make_tiled_tma_atom(tma_op, mSc, cute.slice_(sSc_layout, (None, None, 0)),
+                                                      (TILE_N, GROUPS))
+        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)),
+                                                      (TILE_N, D_PE))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, NH))
+        tiled_mma_pe = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (64, N))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, NH),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sK_layout)], 1024]
+            sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
+            sQ8: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sQ8_layout)], 1024]
+            sPt: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sPt_layout)], 1024]
+            sQpe: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQpe_layout)], 1024]
+            sSc: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sSc_layout)], 128]
+            full: cute.struct.MemRange[cutlass.Int64, STAGES]
+            inv2a: cute.struct.MemRange[Float32, N]
+            red: cute.struct.MemRange[Float32, 2 * 2 * WARPS * RED_SLOTS]
+
+        self.shared_storage = SharedStorage
+        self.kernel(mQ, tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
+                    s_q, h, rows, num_splits, scale_log2, sK_layout, sPE_layout, sQ8_layout, sPt_layout,
+                    sQpe_layout, sSc_layout, tiled_mma_qk, tiled_mma_pe, tiled_mma_pv).launch(
+            grid=(1, num_splits, batch), block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom,
+               mSc_tma: cute.Tensor, tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, mBT: cute.Tensor,
+               mSeqlens: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor,
+               s_q: Int32, h: Int32, rows: Int32, num_splits: Int32, scale_log2: Float32,
+               sK_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sQ8_layout: cute.ComposedLayout,
+               sPt_layout: cute.ComposedLayout, sQpe_layout: cute.ComposedLayout, sSc_layout: cute.Layout,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pe: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        _, split, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        c = warp_idx // WARPS
+        ctid = tidx - CONSUMER_THREADS * c
+        warp = warp_idx % WARPS
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full = storage.full.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(full + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
+        sQ8 = storage.sQ8.get_tensor(sQ8_layout.outer, swizzle=sQ8_layout.inner)
+        sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
+        sQpe = storage.sQpe.get_tensor(sQpe_layout.outer, swizzle=sQpe_layout.inner)
+        sSc = storage.sSc.get_tensor(sSc_layout)
+        sInv = storage.inv2a.get_tensor(cute.make_layout(N))
+        sRed = storage.red.get_tensor(cute.make_layout((RED_SLOTS, WARPS, 2, 2),
+                                                       stride=(1, RED_SLOTS, WARPS * RED_SLOTS, 2 * WARPS * RED_SLOTS)))
+        k_base = storage.sK.data_ptr().toint()
+
+        seqlen = mSeqlens[batch]
+        start, n_tiles = page_split(seqlen, split, num_splits)
+        first_page = start // TILE_N
+
+        gKV = cute.local_tile(mKV_tma, (TILE_N, D_V), (None, 0))          # [64, 512, pages]
+        gSc = cute.local_tile(mSc_tma, (TILE_N, GROUPS), (None, 0))       # [64, 4, pages]
+        gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))         # [64, 64, pages]
+        tKs, tKg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                         cute.group_modes(gKV, 0, 2))
+        tSs, tSg = cpasync.tma_partition(tma_sc, 0, cute.make_layout(1), cute.group_modes(sSc, 0, 2),
+                                         cute.group_modes(gSc, 0, 2))
+        tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                         cute.group_modes(gPE, 0, 2))
+        if warp == 0:
+            if c == 0:
+                cpasync.prefetch_descriptor(tma_kv)
+                cpasync.prefetch_descriptor(tma_sc)
+                cpasync.prefetch_descriptor(tma_pe)
+            for p in cutlass.range_constexpr(STAGES // 2):
+                if c + 2 * p < n_tiles:
+                    _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                               mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+
+        # -- Q's parts, both consumers: 16 threads a row, 32 columns each --
+        _store_q_parts(mQ, batch, rows, tidx, _u8_view(sQ8, sQ8_layout.inner), sQpe, sInv)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
+
+        thr_qk = tiled_mma_qk.get_slice(ctid)
+        thr_pe = tiled_mma_pe.get_slice(ctid)
+        thr_pv = tiled_mma_pv.get_slice(ctid)
+        tSrK = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sK))                 # [.., 1, 16 k, stages]
+        tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ8))                # [.., 1, 16 k]
+        tSrKpe = tiled_mma_pe.make_fragment_A(thr_pe.partition_A(sPE))
+        tSrQpe = tiled_mma_pe.make_fragment_B(thr_pe.partition_B(sQpe))
+        tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sPt))                # [.., 1, 2 k, 8 buffers]
+        # P^T [32, 64] buffer b seen as [64 physical keys, 32]: key p sits at K column L(p) (module docstring)
+        sP_keys = cute.composition(sPt, cute.make_layout(
+            ((2, 4, 2, 4), NH, 2 * GROUPS), stride=((NH, 4 * NH, 2 * NH, 16 * NH), 1, NH * TILE_N)))
+        tPsP = thr_qk.partition_C(sP_keys)
+        acc_g = [cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_N, NH)), Float32) for _ in range(GROUPS)]
+        acc_s = cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, N)), Float32)
+        acc_t = [cute.make_rmem_tensor(thr_pv.partition_shape_C((64, NH)), Float32) for _ in range(2)]
+        acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, N)), Float32) for _ in range(M_TILES)]
+        for m in cutlass.range_constexpr(M_TILES):
+            acc_o[m].fill(0.0)
+        frag_v = [tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_N))) for _ in range(2)]
+        tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, N)))
+        rP8 = cute.make_rmem_tensor(cute.size(acc_g[0]), cutlass.Uint8)
+
+        k0 = warp * 16 + lane // 4
+        slots = N // 4
+        cols = [8 * (s // 2) + 2 * (lane % 4) + s % 2 for s in range(slots)]
+        vis = cute.make_rmem_tensor(slots, Int32)
+        col_m = cute.make_rmem_tensor(slots, Float32)
+        col_l = cute.make_rmem_tensor(slots, Float32)
+        alpha = cute.make_rmem_tensor(slots, Float32)
+        m_base = cute.make_rmem_tensor(slots, Float32)
+        inv2a = cute.make_rmem_tensor(slots, Float32)
+        sc = cute.make_rmem_tensor((2, GROUPS), Float32)
+        smax = cute.make_rmem_tensor(GROUPS, Float32)
+        for s in cutlass.range_constexpr(slots):
+            vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
+            col_m[s] = -Float32.inf
+            col_l[s] = 0.0
+            inv2a[s] = sInv[cols[s]]
+        min_vis = first_masked_key(seqlen, s_q, self.causal)
+        bar_red = BAR_RED + 2 * c
+        bar_p = BAR_P + 2 * c
+
+        for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
+            t = c + 2 * u
+            st = t % STAGES
+            tok0 = start + t * TILE_N
+            valid = seqlen - tok0
+            cute.arch.mbarrier_wait(full + st, (t // STAGES) % 2)
+            stage_base = k_base + st * KV_BYTES
+            if valid < TILE_N:
+                # e4m3 0xFF is NaN and 0 * NaN is NaN: the rows past the request become zeros before any MMA
+                _zero_rows(stage_base, valid, ctid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+            for hr in cutlass.range_constexpr(2):
+                keep = k0 + 8 * hr < valid
+                for g in cutlass.range_constexpr(GROUPS):
+                    v = sSc[k0 + 8 * hr, g, st]
+                    sc[hr, g] = 0.0
+                    if keep:
+                        sc[hr, g] = v
+            # -- S^T: four FP8 groups (K_g from the stage, Q's hi | lo on N), k_pe in bf16 --
+            warpgroup.fence()
+            atom = cute.make_mma_atom(tiled_mma_qk.op)
+            for g in cutlass.range_constexpr(GROUPS):
+                for k in cutlass.range_constexpr(4):
+                    atom.set(warpgroup.Field.ACCUMULATE, k > 0)
+                    cute.gemm(atom, acc_g[g], tSrK[None, None, 4 * g + k, st], tSrQ[None, None, 4 * g + k], acc_g[g])
+            atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
+            for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
+                atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
+                cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            half = cute.size(acc_s)
+            for i in cutlass.range_constexpr(half):
+                hr = (i // 2) % 2
+                s_val = Float32(0.0)
+                for g in cutlass.range_constexpr(GROUPS):
+                    s_val = s_val + (acc_g[g][i] + acc_g[g][i + half]) * sc[hr, g]
+                acc_s[i] = (s_val * inv2a[col_slot(i, N)] + acc_s[i]) * scale_log2
+            if tok0 + TILE_N > min_vis:
+                for i in cutlass.range_constexpr(half):
+                    if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, N)]:
+                        acc_s[i] = -Float32.inf
+            # -- column maxima and the scale groups' page maxima: own rows, the warp, then the 4 warps --
+            mx = cute.make_rmem_tensor(slots, Float32)
+            for s in cutlass.range_constexpr(slots):
+                i0 = 4 * (s // 2) + s % 2
+                mx[s] = cute.arch.fmax(acc_s[i0], acc_s[i0 + 2])
+                for off in (4, 8, 16):
+                    mx[s] = cute.arch.fmax(mx[s], cute.arch.shuffle_sync_bfly(mx[s], offset=off))
+                if lane < 4:
+                    sRed[cols[s], warp, u % 2, c] = mx[s]
+            for g in cutlass.range_constexpr(GROUPS):
+                smax[g] = cute.arch.fmax(sc[0, g], sc[1, g])
+                for off in (4, 8, 16):
+                    smax[g] = cute.arch.fmax(smax[g], cute.arch.shuffle_sync_bfly(smax[g], offset=off))
+                if lane == 0:
+                    sRed[N + g, warp, u % 2, c] = smax[g]
+            cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+            for s in cutlass.range_constexpr(slots):
+                m_new = col_m[s]
+                for w in cutlass.range_constexpr(WARPS):
+                    m_new = cute.arch.fmax(m_new, sRed[cols[s], w, u % 2, c])
+                move_row_max(col_m, col_l, alpha, m_base, s, m_new)
+            for g in cutlass.range_constexpr(GROUPS):
+                m_g = sRed[N + g, 0, u % 2, c]
+                for w in cutlass.range_constexpr(1, WARPS):
+                    m_g = cute.arch.fmax(m_g, sRed[N + g, w, u % 2, c])
+                smax[g] = cute.arch.fmax(m_g, Float32(1e-30))
+            for i in cutlass.range_constexpr(half):
+                p = cute.arch.exp2(acc_s[i] - m_base[col_slot(i, N)])
+                acc_s[i] = p
+                col_l[col_slot(i, N)] = col_l[col_slot(i, N)] + p
+            # -- P_g = P s_g(key) 256 / max_page(s_g), hi | lo on N, into consumer c's buffer g --
+            for g in cutlass.range_constexpr(GROUPS):
+                f = P_RANGE / smax[g]
+                for i in cutlass.range_constexpr(0, half, 2):
+                    hr = (i // 2) % 2
+                    x0 = acc_s[i] * (sc[hr, g] * f)
+                    x1 = acc_s[i + 1] * (sc[hr, g] * f)
+                    hi2 = _e4m3x2(x0, x1)
+                    lo0, lo1 = _e4m3x2_to_f32(hi2)
+                    lo2 = _e4m3x2(x0 - lo0, x1 - lo1)
+                    rP8[i] = cutlass.Uint8(hi2 & 0xFF)
+                    rP8[i + 1] = cutlass.Uint8((hi2 >> 8) & 0xFF)
+                    rP8[i + half] = cutlass.Uint8(lo2 & 0xFF)
+                    rP8[i + half + 1] = cutlass.Uint8((lo2 >> 8) & 0xFF)
+                tP8 = _u8_view(tPsP[None, None, None, GROUPS * c + g], sPt_layout.inner)
+                for i in cutlass.range_constexpr(cute.size(rP8)):
+                    tP8[i] = rP8[i]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+            # -- O^T = alpha O^T + sum_m V^T_m P_g^T, each tile's product folded in fp32 --
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                    acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, N)]
+            atom_pv = cute.make_mma_atom(tiled_mma_pv.op)
+            for m in cutlass.range_constexpr(M_TILES + 1):
+                if const_expr(m < M_TILES):
+                    buf = frag_v[m % 2]
+                    _v_fragment(cute.recast_tensor(buf, Int32), stage_base, warp, lane, m)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(TILE_N // 32):
+                        atom_pv.set(warpgroup.Field.ACCUMULATE, k > 0)
+                        cute.gemm(atom_pv, acc_t[m % 2], buf[None, None, k],
+                                  tOrP[None, None, k, GROUPS * c + m // 2], acc_t[m % 2])
+                    warpgroup.commit_group()
+                if const_expr(m > 0):
+                    # tile m - 1's product is complete once at most one group (tile m's) is pending
+                    if const_expr(m < M_TILES):
+                        warpgroup.wait_group(1)
+                    else:
+                        warpgroup.wait_group(0)
+                    f = smax[(m - 1) // 2] * (1.0 / P_RANGE)
+                    tt = acc_t[(m - 1) % 2]
+                    for i in cutlass.range_constexpr(cute.size(acc_o[m - 1])):
+                        acc_o[m - 1][i] = acc_o[m - 1][i] + (tt[i] + tt[i + half]) * f
+            # the stage's generic reads (ldmatrix) before its next TMA; warp 0 refills it with page t + 4
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+            if warp == 0 and t + STAGES < n_tiles:
+                _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                           mBT[batch, first_page + t + STAGES], st, lane)
+
+        # -- consumer 1 leaves O^T in its stage 1, maxima and sums in its stage 3 (no page lands there any more) --
+        vals = cute.size(acc_o[0])
+        merge = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + KV_BYTES, dtype=Float32),
+                                 cute.make_layout((CONSUMER_THREADS, M_TILES * vals), stride=(1, CONSUMER_THREADS)))
+        merge_ml = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + 3 * KV_BYTES, dtype=Float32),
+                                    cute.make_layout((CONSUMER_THREADS, 2 * slots), stride=(1, CONSUMER_THREADS)))
+        if c == 1:
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(vals):
+                    merge[ctid, m * vals + i] = acc_o[m][i]
+            for s in cutlass.range_constexpr(slots):
+                merge_ml[ctid, s] = col_m[s]
+                merge_ml[ctid, slots + s] = col_l[s]
+            cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+        else:
+            cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+            a0 = cute.make_rmem_tensor(slots, Float32)
+            a1 = cute.make_rmem_tensor(slots, Float32)
+            for s in cutlass.range_constexpr(slots):
+                m1 = merge_ml[ctid, s]
+                mm = cute.arch.fmax(col_m[s], m1)
+                m_safe = mm
+                if mm == -Float32.inf:
+                    m_safe = 0.0
+                a0[s] = cute.arch.exp2(col_m[s] - m_safe)
+                a1[s] = cute.arch.exp2(m1 - m_safe)
+                col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
+                col_m[s] = mm
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(vals):
+                    acc_o[m][i] = acc_o[m][i] * a0[col_slot(i, N)] + merge[ctid, m * vals + i] * a1[col_slot(i, N)]
+
+            # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
+            par = (n_tiles + 1) // 2 % 2
+            inv_l = cute.make_rmem_tensor(slots, Float32)
+            lse = cute.make_rmem_tensor(slots, Float32)
+            for s in cutlass.range_constexpr(slots):
+                for off in (4, 8, 16):
+                    col_l[s] = col_l[s] + cute.arch.shuffle_sync_bfly(col_l[s], offset=off)
+                if lane < 4:
+                    sRed[cols[s], warp, par, 0] = col_l[s]
+            cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+            for s in cutlass.range_constexpr(slots):
+                total = (sRed[cols[s], 0, par, 0] + sRed[cols[s], 1, par, 0] + sRed[cols[s], 2, par, 0]
+                         + sRed[cols[s], 3, par, 0])
+                inv_l[s] = 0.0
+                lse[s] = -Float32.inf
+                if total > 0.0:
+                    inv_l[s] = 1.0 / total
+                    lse[s] = (col_m[s] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(vals):
+                    r = tOcO[i][1]
+                    d = 64 * m + _v_dim(tOcO[i][0])
+                    if r < rows:
+                        val = acc_o[m][i] * inv_l[col_slot(i, N)]
+                        if const_expr(self.is_split):
+                            mPO[batch, split, r, d] = val
+                        else:
+                            mOut[batch, r, d] = val.to(self.dtype)
+            if warp == 0 and lane < 4:
+                for s in cutlass.range_constexpr(slots):
+                    if cols[s] < rows:
+                        if const_expr(self.is_split):
+                            mPL[batch, split, cols[s]] = lse[s]
+                        else:
+                            mLse[batch, cols[s]] = lse[s]
+
+
+@cute.jit
+def _load_page(tma_kv: cute.CopyAtom, tKg: cute.Tensor, tKs: cute.Tensor, tma_sc: cute.CopyAtom, tSg: cute.Tensor,
+               tSs: cute.Tensor, tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, full: cute.Pointer,
+               page: Int32, st: Int32, lane: Int32):
+    """Page `page`'s e4m3 boxes, scales and k_pe into stage st, on full[st] (called by one whole warp)."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(full + st, KV_BYTES + SCALE_BYTES + PE_BYTES)
+    cute.copy(tma_kv, tKg[None, page], tKs[None, st], tma_bar_ptr=full + st)
+    cute.copy(tma_sc, tSg[None, page], tSs[None, st], tma_bar_ptr=full + st)
+    cute.copy(tma_pe, tPg[None, page], tPs[None, st], tma_bar_ptr=full + st)
+
+
+@cute.jit
+def _store_q_parts(mQ: cute.Tensor, batch: Int32, rows: Int32, tidx: Int32, q8: cute.Tensor, sQpe: cute.Tensor,
+                   sInv: cute.Tensor):
+    """Q * 2^a = hi + lo in e4m3 into sQ8 rows r (hi) and 16 + r (lo), a per query row r (its largest |q| in
+    [2^7, 2^8)), 2^-a into sInv, the rope part into sQpe. 16 threads a row (one half warp), 32 columns each.
+    q8: sQ8 as bytes (_u8_view)."""
+    r = tidx // 16
+    part = tidx % 16
+    vals = cute.make_rmem_tensor(D_V // 16, Float32)
+    amax = Float32(0.0)
+    for j in cutlass.range_constexpr(D_V // 16):
+        v = Float32(0.0)
+        if r < rows:
+            v = mQ[r, (D_V // 16) * part + j, batch].to(Float32)
+        vals[j] = v
+        amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+    for off in (1, 2, 4, 8):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
+    scale = _pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
+    for j in cutlass.range_constexpr(0, D_V // 16, 2):
+        x0 = vals[j] * scale
+        x1 = vals[j + 1] * scale
+        hi2 = _e4m3x2(x0, x1)
+        h0, h1 = _e4m3x2_to_f32(hi2)
+        lo2 = _e4m3x2(x0 - h0, x1 - h1)
+        col = (D_V // 16) * part + j
+        q8[r, col] = cutlass.Uint8(hi2 & 0xFF)
+        q8[r, col + 1] = cutlass.Uint8((hi2 >> 8) & 0xFF)
+        q8[N + r, col] = cutlass.Uint8(lo2 & 0xFF)
+        q8[N + r, col + 1] = cutlass.Uint8((lo2 >> 8) & 0xFF)
+    if part == 0:
+        sInv[r] = 1.0 / scale
+    for j in cutlass.range_constexpr(D_PE // 16):
+        col = (D_PE // 16) * part + j
+        v = Float32(0.0)
+        if r < rows:
+            v = mQ[r, D_V + col, batch].to(Float32)
+        sQpe[r, col] = v.to(cutlass.BFloat16)
+
+
+@cute.jit
+def _zero_rows(stage_base: Int32, valid: Int32, ctid: Int32):
+    """Rows valid .. 63 of the stage's four e4m3 boxes [64, 128] to zeros (16-byte stores; the swizzle permutes
+    16-byte chunks within a row, so whole rows are whole rows)."""
+    for j in cutlass.range_constexpr(TILE_N * D_V // 16 // CONSUMER_THREADS):
+        chunk = ctid + CONSUMER_THREADS * j          # 16-byte chunk: box g, row, chunk in row
+        g = chunk // (TILE_N * 8)
+        row = (chunk // 8) % TILE_N
+        if row >= valid:
+            _st_shared_zero16(stage_base + g * (TILE_N * 128) + row * 128 + (chunk % 8) * 16)
+
+
+@cute.jit
+def _v_fragment(frag: cute.Tensor, stage_base: Int32, warp: Int32, lane: Int32, m_tile: cutlass.Constexpr[int]):
+    """V^T's M tile m_tile (dims 64 m_tile .. + 63, this warp's 16 in v_dim order) over the page's 64 keys as the
+    FP8 register A fragment of m64nNk32 (2 k-steps, 4 words each) into `frag` (Int32 view). Per k-step one
+    ldmatrix .x4 .trans of the group box (matrix i: keys 8 i .. 8 i + 7 of the step's 32; lane l's row = key
+    32 k + l, its 16-byte chunk XORed with key % 8 as the 128-byte swizzle puts it) and one prmt a register:
+    bytes 0, 2 (1, 3) of the words of keys 0..7 and 8..15 make row r (r + 8) over K columns 4c .. 4c + 3."""
+    g = m_tile // 2
+    chunk = 4 * (m_tile % 2) + warp
+    for k in cutlass.range_constexpr(TILE_N // 32):
+        key = 32 * k + lane
+        w = _ldsm_x4_trans(stage_base + g * (TILE_N * 128) + key * 128 + ((chunk ^ (key % 8)) * 16))
+        frag[4 * k + 0] = _prmt(w[0], w[1], 0x6420)
+        frag[4 * k + 1] = _prmt(w[0], w[1], 0x7531)
+        frag[4 * k + 2] = _prmt(w[2], w[3], 0x6420)
+        frag[4 * k + 3] = _prmt(w[2], w[3], 0x7531)
+
+
+def _u8_view(t: cute.Tensor, swizzle) -> cute.Tensor:
+    """An e4m3 smem tensor as bytes, its swizzle kept (recast_tensor drops it from the pointer)."""
+    return cute.make_tensor(cute.recast_ptr(t.iterator, swizzle_=swizzle, dtype=cutlass.Uint8), t.layout)
+
+
+def _v_dim(m_row: Int32) -> Int32:
+    """The dim (within a 64-dim M tile) of O^T's M row `m_row`."""
+    i = m_row % 16
+    return 16 * (m_row // 16) + 2 * (i % 8) + i // 8
+
+
+@dsl_user_op
+def _ldsm_x4_trans(addr: Int32, *, loc=None, ip=None) -> list:
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _prmt(a: Int32, b: Int32, sel: int, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _e4m3x2(x0: Float32, x1: Float32, *, loc=None, ip=None) -> Int32:
+    """(x0, x1) -> e4m3 bytes (rn, satfinite) in bits 0..7 and 8..15."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $2, $1;\ncvt.u32.u16 $0, h;\n}\n", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _e4m3x2_to_f32(v: Int32, *, loc=None, ip=None) -> tuple:
+    """The two e4m3 bytes in bits 0..15 of v as fp32 (byte 0, byte 1)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([Float32.mlir_type] * 2), [Int32(v).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 h, a, b;\n.reg .b32 f;\ncvt.u16.u32 h, $2;\ncvt.rn.f16x2.e4m3x2 f, h;\n"
+        "mov.b32 {a, b}, f;\ncvt.f32.f16 $0, a;\ncvt.f32.f16 $1, b;\n}\n", "=f,=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return (Float32(llvm.extractvalue(Float32.mlir_type, res, [0], loc=loc, ip=ip)),
+            Float32(llvm.extractvalue(Float32.mlir_type, res, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def _pow2_scale(amax: Float32, *, loc=None, ip=None) -> Float32:
+    """2^a with amax * 2^a in [2^7, 2^8) (exponent arithmetic on the bits), 1.0 for amax 0 (or subnormal)."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(amax).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 b, e;\n.reg .pred z;\nmov.b32 b, $1;\nshr.u32 e, b, 23;\nand.b32 e, e, 255;\n"
+        "setp.eq.u32 z, e, 0;\n"
+        f"sub.s32 e, {127 + Q_RANGE_EXP + 127}, e;\n"   # biased exponent of 2^(7 - (e - 127))
+        "min.s32 e, e, 254;\nmax.s32 e, e, 1;\nshl.b32 e, e, 23;\nselp.b32 e, 0x3F800000, e, z;\n"
+        "mov.b32 $0, e;\n}\n", "=f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _st_shared_zero16(addr: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)],
+                    "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
