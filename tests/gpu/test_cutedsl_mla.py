@@ -250,13 +250,18 @@ def test_fp8_matches_reference(case):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
-def test_fp8_cuda_graph_replay_equals_eager():
-    b, h = 4, 64
+@pytest.mark.parametrize("s_q, h, fp8_mma", [(2, 64, False), (1, 16, True)])
+def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma):
+    """A captured FP8 step (the 64-row kernel; the FP8-MMA one, taken for every split, against the exact entries)."""
+    if fp8_mma:
+        monkeypatch.setattr(cd, "FP8_MMA", True)
+        monkeypatch.setattr(cd, "FP8_MMA_MIN_PAGES", 0)
+    b = 4
     lens = [1 + (977 * i) % 3000 for i in range(b)]
-    q, kv, table, seqlens = check.make_fp8_case(lens, 2, h, seed=b)
-    plan = cd.plan_mla_decode(b, 2, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
-    _replay_equals_eager_and_reference(q, kv, table, seqlens, plan,
-                                       lambda: check.fp8_reference(q, kv, table, seqlens))
+    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b)
+    plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
+    reference_fn = check.fp8_exact_reference if fp8_mma else check.fp8_reference
+    _replay_equals_eager_and_reference(q, kv, table, seqlens, plan, lambda: reference_fn(q, kv, table, seqlens))
 
 
 _LONG = [1, 2, 63, 64, 65, 4096] + [1 + (389 * i) % 4096 for i in range(122)]
@@ -282,17 +287,6 @@ def test_fp8_mma_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
     assert ok, f"max abs err {max_err:.2e}: {why}"
-
-
-def test_fp8_mma_kernel_cuda_graph_replay_equals_eager(monkeypatch):
-    monkeypatch.setattr(cd, "FP8_MMA", True)
-    monkeypatch.setattr(cd, "FP8_MMA_MIN_PAGES", 0)
-    b, h = 4, 16
-    lens = [1 + (977 * i) % 3000 for i in range(b)]
-    q, kv, table, seqlens = check.make_fp8_case(lens, 1, h, seed=b)
-    plan = cd.plan_mla_decode(b, 1, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
-    _replay_equals_eager_and_reference(q, kv, table, seqlens, plan,
-                                       lambda: check.fp8_exact_reference(q, kv, table, seqlens))
 
 
 @pytest.mark.parametrize("s_q, h", [(1, 128), (2, 64)])

@@ -42,13 +42,8 @@ def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, ou
     mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
     mRaw = cute.make_tensor(kv_ptr, cute.make_layout((n_rows, RAW_WORDS), stride=(ROW_WORDS, 1)))
     mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
-    mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
-    mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
-    mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
-    mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
-    mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
-                                                    stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
-    mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows), stride=(num_splits * rows, rows, 1)))
+    mBT, mSeqlens, mOut, mLse, mPO, mPL = fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
+                                                         batch, rows, max_pages, num_splits)
 
     atom = warpgroup.make_smem_layout_atom(
         sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, D_QK), dtype)
@@ -66,6 +61,18 @@ def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, ou
     return ((mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout),
             (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma))
 
+
+
+def fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, rows, max_pages, num_splits):
+    """The FP8 decode kernels' block table, seqlens, out, lse, partial out and partial lse tensors."""
+    mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+    mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+    mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
+    mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
+    mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
+                                                    stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
+    mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows), stride=(num_splits * rows, rows, 1)))
+    return mBT, mSeqlens, mOut, mLse, mPO, mPL
 
 
 def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, sQ_layout: cute.ComposedLayout,

@@ -27,10 +27,8 @@ h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank confl
 
 A thread (lane = 4 q + c of warp w) holds S^T rows (keys) r = 16 w + q and r + 8. V^T's fragments put dims
 2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (fp8_regs' v_dim order) and, within each 16 keys, keys
-2c, 2c + 1, 2c + 8, 2c + 9 on its K columns 4c .. 4c + 3: P^T is stored in that key order (p_key_layout).
+2c, 2c + 1, 2c + 8, 2c + 9 on its K columns 4c .. 4c + 3: P^T is stored in that key order (the sP_keys view).
 """
-
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -41,10 +39,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, ROPE_ELEMS, ROW_WORDS, TILE_N
-from mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel import col_slot
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, ROPE_ELEMS, ROW_WORDS, TILE_N, fp8_io_tensors
+from mlaserve.kernels.cutedsl.keys_on_m import (
+    col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
-from mlaserve.kernels.cutedsl.split_consumers import move_row_max
 
 N = 16                # query rows a CTA
 NH = 2 * N            # hi and lo parts on wgmma's N
@@ -89,14 +87,8 @@ class MLADecodeFP8MmaSm90:
         mSc = cute.make_tensor(cute.recast_ptr(kv_ptr + D_V // 4, dtype=Float32),
                                cute.make_layout((n_rows, GROUPS), stride=(ROW_WORDS, 1)))
         mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
-        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
-        mSeqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((batch, rows, D_V), stride=(rows * D_V, D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, rows), stride=(rows, 1)))
-        mPO = cute.make_tensor(po_ptr, cute.make_layout((batch, num_splits, rows, D_V),
-                                                        stride=(num_splits * rows * D_V, rows * D_V, D_V, 1)))
-        mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
-                                                        stride=(num_splits * rows, rows, 1)))
+        mBT, mSeqlens, mOut, mLse, mPO, mPL = fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
+                                                             batch, rows, max_pages, num_splits)
 
         atom8 = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, D_V), f8)
@@ -233,7 +225,7 @@ class MLADecodeFP8MmaSm90:
 
         k0 = warp * 16 + lane // 4
         slots = N // 4
-        cols = [8 * (s // 2) + 2 * (lane % 4) + s % 2 for s in range(slots)]
+        cols = columns(lane, N)
         vis = cute.make_rmem_tensor(slots, Int32)
         col_m = cute.make_rmem_tensor(slots, Float32)
         col_l = cute.make_rmem_tensor(slots, Float32)
@@ -290,11 +282,10 @@ class MLADecodeFP8MmaSm90:
                 for g in cutlass.range_constexpr(GROUPS):
                     s_val = s_val + (acc_g[g][i] + acc_g[g][i + half]) * sc[hr, g]
                 acc_s[i] = (s_val * inv2a[col_slot(i, N)] + acc_s[i]) * scale_log2
-            if tok0 + TILE_N > min_vis:
-                for i in cutlass.range_constexpr(half):
-                    if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, N)]:
-                        acc_s[i] = -Float32.inf
+            mask_keys(acc_s, tok0, k0, vis, min_vis, N)
             # -- column maxima and the scale groups' page maxima: own rows, the warp, then the 4 warps --
+            # (keys_on_m.publish_column_max's loop, written out: through the helper ptxas schedules the scale
+            # maxima's shuffles below differently)
             mx = cute.make_rmem_tensor(slots, Float32)
             for s in cutlass.range_constexpr(slots):
                 i0 = 4 * (s // 2) + s % 2
@@ -310,20 +301,13 @@ class MLADecodeFP8MmaSm90:
                 if lane == 0:
                     sRed[N + g, warp, u % 2, c] = smax[g]
             cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-            for s in cutlass.range_constexpr(slots):
-                m_new = col_m[s]
-                for w in cutlass.range_constexpr(WARPS):
-                    m_new = cute.arch.fmax(m_new, sRed[cols[s], w, u % 2, c])
-                move_row_max(col_m, col_l, alpha, m_base, s, m_new)
+            take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
             for g in cutlass.range_constexpr(GROUPS):
                 m_g = sRed[N + g, 0, u % 2, c]
                 for w in cutlass.range_constexpr(1, WARPS):
                     m_g = cute.arch.fmax(m_g, sRed[N + g, w, u % 2, c])
                 smax[g] = cute.arch.fmax(m_g, Float32(1e-30))
-            for i in cutlass.range_constexpr(half):
-                p = cute.arch.exp2(acc_s[i] - m_base[col_slot(i, N)])
-                acc_s[i] = p
-                col_l[col_slot(i, N)] = col_l[col_slot(i, N)] + p
+            exp_columns(acc_s, m_base, col_l, N)
             # -- P_g = P s_g(key) 256 / max_page(s_g), hi | lo on N, into consumer c's buffer g --
             for g in cutlass.range_constexpr(GROUPS):
                 f = P_RANGE / smax[g]
@@ -409,22 +393,7 @@ class MLADecodeFP8MmaSm90:
 
             # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
             par = (n_tiles + 1) // 2 % 2
-            inv_l = cute.make_rmem_tensor(slots, Float32)
-            lse = cute.make_rmem_tensor(slots, Float32)
-            for s in cutlass.range_constexpr(slots):
-                for off in (4, 8, 16):
-                    col_l[s] = col_l[s] + cute.arch.shuffle_sync_bfly(col_l[s], offset=off)
-                if lane < 4:
-                    sRed[cols[s], warp, par, 0] = col_l[s]
-            cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
-            for s in cutlass.range_constexpr(slots):
-                total = (sRed[cols[s], 0, par, 0] + sRed[cols[s], 1, par, 0] + sRed[cols[s], 2, par, 0]
-                         + sRed[cols[s], 3, par, 0])
-                inv_l[s] = 0.0
-                lse[s] = -Float32.inf
-                if total > 0.0:
-                    inv_l[s] = 1.0 / total
-                    lse[s] = (col_m[s] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
             for m in cutlass.range_constexpr(M_TILES):
                 for i in cutlass.range_constexpr(vals):
                     r = tOcO[i][1]
@@ -435,13 +404,7 @@ class MLADecodeFP8MmaSm90:
                             mPO[batch, split, r, d] = val
                         else:
                             mOut[batch, r, d] = val.to(self.dtype)
-            if warp == 0 and lane < 4:
-                for s in cutlass.range_constexpr(slots):
-                    if cols[s] < rows:
-                        if const_expr(self.is_split):
-                            mPL[batch, split, cols[s]] = lse[s]
-                        else:
-                            mLse[batch, cols[s]] = lse[s]
+            store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
 
 
 @cute.jit

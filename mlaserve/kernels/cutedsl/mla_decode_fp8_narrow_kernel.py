@@ -47,8 +47,6 @@ stores, wgmma's reads of K, V and Q^T), ~94 B a cycle at 223 us; a second consum
 pages, and freeing the raw stage before the conversion, both measured 4-5% slower.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -60,8 +58,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
+from mlaserve.kernels.cutedsl.keys_on_m import (
+    col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
-from mlaserve.kernels.cutedsl.split_consumers import move_row_max
 
 THREADS = 256
 CONSUMER_THREADS = 128
@@ -78,13 +77,6 @@ def raw_stages(n: int, tiles: int) -> int:
     """Raw ring stages beside Q and the tiles: two, or one where two tiles sit beside N 32's Q (36864 + 131072 +
     33792 + k_pe 8192 + P^T 4096 = 214016 B; a second stage would be 247808)."""
     return 1 if (n, tiles) == (32, 2) else RAW_STAGES
-
-
-def col_slot(i: int, n: int) -> int:
-    """Which of a thread's n / 4 accumulator columns value i of an m64nN fragment (repeated along M) holds:
-    value i = e + 2 r + 4 j (+ n / 2 per 64-row block) sits in column 8 j + 2 (lane % 4) + e, row half r."""
-    v = i % (n // 2)
-    return (v % 2) + 2 * (v // 4)
 
 
 class MLADecodeFP8NarrowSm90:
@@ -188,7 +180,8 @@ class MLADecodeFP8NarrowSm90:
         if wg == 0:
             fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, 0, n, tma_raw, mRaw_tma, sRaw,
                        tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
-                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start,
+                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen,
+                       start,
                        tiles, raw_pe, self.release_every, self.raw_stages)
         else:
             ctid = tidx - 128
@@ -226,7 +219,7 @@ class MLADecodeFP8NarrowSm90:
             # column 8 (s // 2) + 2 (lane % 4) + s % 2
             k0 = warp * 16 + lane // 4
             slots = n // 4
-            cols = [8 * (s // 2) + 2 * (lane % 4) + s % 2 for s in range(slots)]
+            cols = columns(lane, n)
             vis = cute.make_rmem_tensor(slots, Int32)       # keys visible to each column
             col_m = cute.make_rmem_tensor(slots, Float32)   # running max (log2 units)
             col_l = cute.make_rmem_tensor(slots, Float32)   # this thread's part of the running sum
@@ -258,33 +251,16 @@ class MLADecodeFP8NarrowSm90:
                              tSrQpe, kv_full + tile * KV_BLOCKS, (t // tiles) % 2, self.release_every, pe_full, t % 2)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[i] = acc_s[i] * scale_log2
-                if tok0 + TILE_N > min_vis:
-                    for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, n)]:
-                            acc_s[i] = -Float32.inf
+                mask_keys(acc_s, tok0, k0, vis, min_vis, n)
                 # -- column maxima: own two rows, the warp's 16 keys, then the 4 warps --
-                mx = cute.make_rmem_tensor(slots, Float32)
-                for s in cutlass.range_constexpr(slots):
-                    i0 = 4 * (s // 2) + s % 2
-                    mx[s] = cute.arch.fmax(acc_s[i0], acc_s[i0 + 2])
-                    for off in (4, 8, 16):
-                        mx[s] = cute.arch.fmax(mx[s], cute.arch.shuffle_sync_bfly(mx[s], offset=off))
-                    if lane < 4:
-                        sRed[cols[s], warp, t % 2] = mx[s]
+                publish_column_max(acc_s, cols, lane, warp, sRed, (t % 2,))
                 cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
                 # every warp's S of page t is done: the k_pe buffer takes page t + 1's
                 if const_expr(not raw_pe):
                     if warp == 0 and t + 1 < n_tiles:
                         _load_pe(tma_pe, tPg, tPs, pe_full, mBT[batch, first_page + t + 1], lane)
-                for s in cutlass.range_constexpr(slots):
-                    m_new = col_m[s]
-                    for w in cutlass.range_constexpr(WARPS):
-                        m_new = cute.arch.fmax(m_new, sRed[cols[s], w, t % 2])
-                    move_row_max(col_m, col_l, alpha, m_base, s, m_new)
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    p = cute.arch.exp2(acc_s[i] - m_base[col_slot(i, n)])
-                    acc_s[i] = p
-                    col_l[col_slot(i, n)] = col_l[col_slot(i, n)] + p
+                take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (t % 2,))
+                exp_columns(acc_s, m_base, col_l, n)
                 rP.store(acc_s.load().to(self.dtype))
                 for i in cutlass.range_constexpr(cute.size(rP)):
                     tPsP[i] = rP[i]
@@ -299,21 +275,8 @@ class MLADecodeFP8NarrowSm90:
 
             # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
             par = n_tiles % 2              # the maxima buffer no warp reads any more
-            inv_l = cute.make_rmem_tensor(slots, Float32)
-            lse = cute.make_rmem_tensor(slots, Float32)
-            for s in cutlass.range_constexpr(slots):
-                for off in (4, 8, 16):
-                    col_l[s] = col_l[s] + cute.arch.shuffle_sync_bfly(col_l[s], offset=off)
-                if lane < 4:
-                    sRed[cols[s], warp, par] = col_l[s]
-            cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
-            for s in cutlass.range_constexpr(slots):
-                total = sRed[cols[s], 0, par] + sRed[cols[s], 1, par] + sRed[cols[s], 2, par] + sRed[cols[s], 3, par]
-                inv_l[s] = 0.0
-                lse[s] = -Float32.inf
-                if total > 0.0:
-                    inv_l[s] = 1.0 / total
-                    lse[s] = (col_m[s] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+            inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par,), BAR_RED,
+                                        CONSUMER_THREADS)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 r = tOcO[i][1]
                 if r < rows:
@@ -322,13 +285,7 @@ class MLADecodeFP8NarrowSm90:
                         mPO[batch, split, r, tOcO[i][0]] = val
                     else:
                         mOut[batch, r, tOcO[i][0]] = val.to(self.dtype)
-            if warp == 0 and lane < 4:
-                for s in cutlass.range_constexpr(slots):
-                    if cols[s] < rows:
-                        if const_expr(self.is_split):
-                            mPL[batch, split, cols[s]] = lse[s]
-                        else:
-                            mLse[batch, cols[s]] = lse[s]
+            store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
 
 
 
