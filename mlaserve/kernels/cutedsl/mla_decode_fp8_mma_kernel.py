@@ -26,8 +26,9 @@ Q's parts and the ring's fill are paid per split), hence mla_decode.FP8_MMA_MIN_
 h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts (2067 k).
 
 A thread (lane = 4 q + c of warp w) holds S^T rows (keys) r = 16 w + q and r + 8. V^T's fragments put dims
-2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (fp8_regs' v_dim order) and, within each 16 keys, keys
-2c, 2c + 1, 2c + 8, 2c + 9 on its K columns 4c .. 4c + 3: P^T is stored in that key order (the sP_keys view).
+2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (the order _v_dim undoes in the store) and, within each
+16 keys, keys 2c, 2c + 1, 2c + 8, 2c + 9 on its K columns 4c .. 4c + 3: P^T is stored in that key order (the
+sP_keys view).
 """
 
 import cutlass
@@ -54,7 +55,7 @@ GROUPS = 4            # scale groups of 128 columns
 M_TILES = D_V // 64
 BAR_Q = 1             # both consumers: Q's parts stored
 BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
-BAR_RED = 3           # + 2 c: consumer c's 4 warps, column and scale maxima (then sums)
+BAR_RED = 3           # + 2 c: consumer c's 4 warps: column and scale maxima (then sums); a page's stage read
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
 KV_BYTES = TILE_N * D_V
 SCALE_BYTES = TILE_N * GROUPS * 4

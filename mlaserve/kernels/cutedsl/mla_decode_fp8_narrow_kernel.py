@@ -1,5 +1,6 @@
 """The Hopper (sm_90a) MLA decode over the FP8 656-byte KV format for requests of at most 32 query rows
-(h 16 / h 32 with s_q 1, h 16 with s_q 2), with the keys on wgmma's M side.
+(h 16 / h 32 with s_q 1, h 16 with s_q 2), with the keys on wgmma's M side. At <= 16 rows with splits of >= 32
+pages, mla_decode.py takes mla_decode_fp8_mma_kernel.py instead (FP8 wgmma on the e4m3 bytes, no bf16 tile).
 
 mla_decode_fp8_kernel.py puts a request's query rows on M, where a wgmma takes 64: at h 16 three quarters
 of its MMA work is padding, about 1.2 us a page at the tensor cores' peak, more than the ~1.3 us in which
