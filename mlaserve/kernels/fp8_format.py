@@ -9,9 +9,9 @@ One cached token is 656 bytes:
 Every kernel that reads FP8 KV reads exactly this layout; the torch functions here
 are its definition. An entry is fp8 * scale (DESIGN.md). `dequantize` gives the
 bfloat16 nearest it, which is what the dequantizing kernels put in front of the
-tensor cores and what the reference computes on; the FP8-MMA decode
-(kernels/triton/mla_decode_gluon_fp8mma.py) feeds the e4m3 bytes to FP8 MMAs and
-applies the scales in fp32, i.e. uses fp8 * scale exactly. The two readings differ
+tensor cores and what the reference computes on; the FP8-MMA decodes
+(kernels/triton/mla_decode_gluon_fp8mma.py, kernels/cutedsl/mla_decode_fp8_mma_kernel.py)
+feed the e4m3 bytes to FP8 MMAs and apply the scales in fp32, i.e. use fp8 * scale exactly. The two readings differ
 by at most 2^-9 of an entry (bf16's rounding), which moves a score by at most
 2^-9 * softmax_scale * sum |q_i| |c_kv_i|; the GPU tests accept a result that matches the
 reference on either reading (`dequantize(..., exact=True)` gives the exact one).
