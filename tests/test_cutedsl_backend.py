@@ -62,9 +62,10 @@ def test_fp8_requests_of_few_rows_take_the_keys_on_m_kernel(rows, want):
     (17, 512, 1, False), (32, 512, 1, False), (64, 512, 1, False),  # more rows than the FP8-MMA kernel takes
 ])
 def test_fp8_mma_kernel_only_at_16_rows_with_long_splits(monkeypatch, rows, max_pages, num_splits, want):
-    assert cd.uses_fp8_mma(rows, max_pages, num_splits) is want
+    assert cd.uses_fp8_mma(True, rows, max_pages, num_splits) is want
+    assert cd.uses_fp8_mma(False, rows, max_pages, num_splits) is False      # 16-bit KV
     monkeypatch.setattr(cd, "FP8_MMA", False)
-    assert cd.uses_fp8_mma(rows, max_pages, num_splits) is False
+    assert cd.uses_fp8_mma(True, rows, max_pages, num_splits) is False
 
 
 def test_plan_splits_small_batches_and_sizes_the_workspace():

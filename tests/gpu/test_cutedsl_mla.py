@@ -250,12 +250,17 @@ def test_fp8_matches_reference(case):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+def _fp8_mma_for_every_split(monkeypatch):
+    """The FP8-MMA kernel for every FP8 step of <= 16 rows, however short its splits (mla_decode.uses_fp8_mma)."""
+    monkeypatch.setattr(cd, "uses_fp8_mma", lambda kv_fp8, rows, max_pages, num_splits:
+                        kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
+
+
 @pytest.mark.parametrize("s_q, h, fp8_mma", [(2, 64, False), (1, 16, True)])
 def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma):
     """A captured FP8 step (the 64-row kernel; the FP8-MMA one, taken for every split, against the exact entries)."""
     if fp8_mma:
-        monkeypatch.setattr(cd, "FP8_MMA", True)
-        monkeypatch.setattr(cd, "FP8_MMA_MIN_PAGES", 0)
+        _fp8_mma_for_every_split(monkeypatch)
     b = 4
     lens = [1 + (977 * i) % 3000 for i in range(b)]
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b)
@@ -278,12 +283,11 @@ _LONG = [1, 2, 63, 64, 65, 4096] + [1 + (389 * i) % 4096 for i in range(122)]
     ([8192] * 8, 1, 16, True, 1),                  # 128 pages a CTA: every stage reused many times
 ], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
 def test_fp8_mma_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num_splits):
-    """The <= 16-row kernel with FP8 wgmma on the e4m3 bytes, taken for every split here (FP8_MMA_MIN_PAGES 0), on
+    """The <= 16-row kernel with FP8 wgmma on the e4m3 bytes, taken for every split here, on
     NaN-poisoned unused slots, against the reference on the cache's exact entries (the scales applied in fp32, as
     triton's FP8-MMA kernel)."""
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + h)
-    monkeypatch.setattr(cd, "FP8_MMA", True)
-    monkeypatch.setattr(cd, "FP8_MMA_MIN_PAGES", 0)
+    _fp8_mma_for_every_split(monkeypatch)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
     assert ok, f"max abs err {max_err:.2e}: {why}"

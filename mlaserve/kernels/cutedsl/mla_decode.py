@@ -31,6 +31,7 @@ from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_po
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
 from mlaserve.kernels.triton.mla_decode_plan import _num_sms, full_wave_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
+from mlaserve.kernels.triton.mla_decode_plan import uses_fp8_mma as _splits_take_fp8_mma
 from mlaserve.kernels.triton import stream_k
 from mlaserve.kernels.triton.work_order import grid_order, longest_first
 
@@ -44,7 +45,9 @@ _LOG2E = 1.4426950408889634
 
 # What choose_num_splits needs to know of this kernel: 64-row tiles, one program per tile and split,
 # splits of at least 256 tokens (num_warps/num_stages are the Triton kernel's knobs, unused here).
-CONFIG = MLADecodeConfig(block_h=TILE_M, block_n=PAGE_SIZE, v_split=1, min_split_tokens=256)
+# fp8_mma_min_pages: the FP8-MMA kernel (mla_decode_fp8_mma_kernel.py) where each split spans >= 32 pages, the rule
+# triton's Gluon FP8-MMA kernel follows (uses_fp8_mma)
+CONFIG = MLADecodeConfig(block_h=TILE_M, block_n=PAGE_SIZE, v_split=1, min_split_tokens=256, fp8_mma_min_pages=32)
 
 # seconds spent compiling each specialization, by compile key (dtype, causal, split, KV kind "16bit"/"fp8",
 # CTAs per cluster)
@@ -172,18 +175,11 @@ STORE_16B = True
 # bytes are in its registers) against one tile and two raw stages. On the H200, b128 s_k 4k-32k and b16 s_k 32768:
 # 1.07-1.12x faster, and the FP8 GPU tests pass on it (bench/NOTES.md 65, 67)
 FP8_N32_TWO_TILES = True
-# FP8 KV at <= 16 rows where each split spans at least FP8_MMA_MIN_PAGES pages: the keys-on-M kernel with FP8 wgmma
-# on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
+# FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
+# wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69): b128 h16 s_k 4k/8k/32k 1.01/1.06/1.11x,
 # s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k (4-page splits) 0.81x, hence the bound
 FP8_MMA = True
-FP8_MMA_MIN_PAGES = 32
-
-
-def uses_fp8_mma(rows: int, max_pages: int, num_splits: int) -> bool:
-    """Whether an FP8 step of `rows` query rows a request takes the FP8-MMA kernel (host shapes only: the block
-    table's columns and the plan's splits)."""
-    return FP8_MMA and fp8_narrow_cols(rows) == 16 and max_pages >= FP8_MMA_MIN_PAGES * num_splits
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
@@ -272,6 +268,13 @@ def fp8_narrow_cols(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 0
 
 
+def uses_fp8_mma(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bool:
+    """Whether a step takes the FP8-MMA kernel: FP8 KV, <= 16 query rows a request, and triton's rule for its own
+    FP8-MMA kernel on the splits (mla_decode_plan.uses_fp8_mma with CONFIG; host shapes only: the block table's
+    columns and the plan's splits)."""
+    return FP8_MMA and fp8_narrow_cols(rows) == 16 and _splits_take_fp8_mma(CONFIG, kv_fp8, max_pages, num_splits)
+
+
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
             streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False):
@@ -297,8 +300,9 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("rank-order",)
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
-    fp8_mma = fp8_mma and kv_fp8 and narrow == 16
     if fp8_mma:
+        if not (kv_fp8 and narrow == 16):
+            raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
         key += ("fp8-mma",)
     fn = _compiled.get(key)
     if fn is None:
@@ -429,7 +433,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
-                 kv_fp8 and uses_fp8_mma(s_q * h, block_table.shape[1], plan.num_splits))
+                 uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits))
     fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
