@@ -23,12 +23,14 @@ Measured on the H200 (bench/NOTES.md 69; decode_ab against the bf16-tile kernel,
 4k/8k/32k 118.3/212.4/765.1 us against 120.1/224.9/848.2 (1.01/1.06/1.11x; FP8 at 1.33x / 1.41x the bf16
 kernel's 282.5 / 1076.1 us at 8k / 32k), s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k 0.81x (4-page splits:
 Q's parts and the ring's fill are paid per split), hence mla_decode.CONFIG.fp8_mma_min_pages. Nsight Compute at
-b128 h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts (2067 k).
+b128 h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts (2067 k). Then (NOTES
+71) P's parts through f16x2 and stored as 2-byte key pairs, and O^T's rescale skipped where no maximum moved:
+~13% fewer instructions a page, b128 h16 s_k 8k / 32k 200 / 702 us against 210 / 759 (1.05x / 1.08x).
 
 A thread (lane = 4 q + c of warp w) holds S^T rows (keys) r = 16 w + q and r + 8. V^T's fragments put dims
 2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (the order _v_dim undoes in the store) and, within each
-16 keys, keys 2c, 2c + 1, 2c + 8, 2c + 9 on its K columns 4c .. 4c + 3: P^T is stored in that key order (the
-sP_keys view).
+16 keys, keys 2c, 2c + 8, 2c + 1, 2c + 9 on its K columns 4c .. 4c + 3, so that key j and j + 8 (j < 8) sit at
+columns 2j, 2j + 1: P^T is stored in that key order, a thread's two keys of a column as one 2-byte pair.
 """
 
 import cutlass
@@ -210,10 +212,6 @@ class MLADecodeFP8MmaSm90:
         tSrKpe = tiled_mma_pe.make_fragment_A(thr_pe.partition_A(sPE))
         tSrQpe = tiled_mma_pe.make_fragment_B(thr_pe.partition_B(sQpe))
         tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sPt))                # [.., 1, 2 k, 8 buffers]
-        # P^T [32, 64] buffer b seen as [64 physical keys, 32]: key p sits at K column L(p) (module docstring)
-        sP_keys = cute.composition(sPt, cute.make_layout(
-            ((2, 4, 2, 4), NH, 2 * GROUPS), stride=((NH, 4 * NH, 2 * NH, 16 * NH), 1, NH * TILE_N)))
-        tPsP = thr_qk.partition_C(sP_keys)
         acc_g = [cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_N, NH)), Float32) for _ in range(GROUPS)]
         acc_s = cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, N)), Float32)
         acc_t = [cute.make_rmem_tensor(thr_pv.partition_shape_C((64, NH)), Float32) for _ in range(2)]
@@ -222,13 +220,20 @@ class MLADecodeFP8MmaSm90:
             acc_o[m].fill(0.0)
         frag_v = [tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_N))) for _ in range(2)]
         tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, N)))
-        rP8 = cute.make_rmem_tensor(cute.size(acc_g[0]), cutlass.Uint8)
 
         k0 = warp * 16 + lane // 4
         slots = N // 4
         cols = columns(lane, N)
+        # P^T's pair stores: this thread's keys k0, k0 + 8 sit at K columns 16 w + 2 q, + 1 (module docstring) of
+        # rows n = cols[s] (hi) and 16 + n (lo) of consumer c's [32, 64] buffers, in the 64-byte swizzle (16-byte
+        # chunk j of row n at j ^ ((n // 2) % 4))
+        p_addr = cute.make_rmem_tensor(slots, Int32)
+        for s in cutlass.range_constexpr(slots):
+            p_addr[s] = (storage.sPt.data_ptr().toint() + GROUPS * c * (NH * TILE_N) + cols[s] * TILE_N
+                         + 16 * (warp ^ ((cols[s] // 2) % 4)) + 2 * (lane // 4))
         vis = cute.make_rmem_tensor(slots, Int32)
         col_m = cute.make_rmem_tensor(slots, Float32)
+        m_prev = cute.make_rmem_tensor(slots, Float32)
         col_l = cute.make_rmem_tensor(slots, Float32)
         alpha = cute.make_rmem_tensor(slots, Float32)
         m_base = cute.make_rmem_tensor(slots, Float32)
@@ -302,6 +307,8 @@ class MLADecodeFP8MmaSm90:
                 if lane == 0:
                     sRed[N + g, warp, u % 2, c] = smax[g]
             cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+            for s in cutlass.range_constexpr(slots):
+                m_prev[s] = col_m[s]
             take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
             for g in cutlass.range_constexpr(GROUPS):
                 m_g = sRed[N + g, 0, u % 2, c]
@@ -309,29 +316,27 @@ class MLADecodeFP8MmaSm90:
                     m_g = cute.arch.fmax(m_g, sRed[N + g, w, u % 2, c])
                 smax[g] = cute.arch.fmax(m_g, Float32(1e-30))
             exp_columns(acc_s, m_base, col_l, N)
-            # -- P_g = P s_g(key) 256 / max_page(s_g), hi | lo on N, into consumer c's buffer g --
+            # -- P_g = P s_g(key) 256 / max_page(s_g), hi | lo on N, into consumer c's buffer g: keys k0, k0 + 8
+            # of a column as one e4m3 pair (a 2-byte store each for hi and lo) --
             for g in cutlass.range_constexpr(GROUPS):
-                f = P_RANGE / smax[g]
-                for i in cutlass.range_constexpr(0, half, 2):
-                    hr = (i // 2) % 2
-                    x0 = acc_s[i] * (sc[hr, g] * f)
-                    x1 = acc_s[i + 1] * (sc[hr, g] * f)
-                    hi2 = _e4m3x2(x0, x1)
-                    lo0, lo1 = _e4m3x2_to_f32(hi2)
-                    lo2 = _e4m3x2(x0 - lo0, x1 - lo1)
-                    rP8[i] = cutlass.Uint8(hi2 & 0xFF)
-                    rP8[i + 1] = cutlass.Uint8((hi2 >> 8) & 0xFF)
-                    rP8[i + half] = cutlass.Uint8(lo2 & 0xFF)
-                    rP8[i + half + 1] = cutlass.Uint8((lo2 >> 8) & 0xFF)
-                tP8 = _u8_view(tPsP[None, None, None, GROUPS * c + g], sPt_layout.inner)
-                for i in cutlass.range_constexpr(cute.size(rP8)):
-                    tP8[i] = rP8[i]
+                f = P_RANGE * cute.arch.rcp_approx(smax[g])
+                for s in cutlass.range_constexpr(slots):
+                    i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
+                    hl = _e4m3_parts(acc_s[i] * (sc[0, g] * f), acc_s[i + 2] * (sc[1, g] * f))
+                    addr = p_addr[s] + g * (NH * TILE_N)
+                    _st_shared_u16(addr, hl)
+                    _st_shared_u16(addr + N * TILE_N, hl >> 16)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
-            # -- O^T = alpha O^T + sum_m V^T_m P_g^T, each tile's product folded in fp32 --
-            for m in cutlass.range_constexpr(M_TILES):
-                for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                    acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, N)]
+            # -- O^T = alpha O^T + sum_m V^T_m P_g^T, each tile's product folded in fp32 (O^T rescaled only
+            # where a column's max moved: alpha is 1 elsewhere, and every warp sees the same maxima) --
+            moved = col_m[0] != m_prev[0]
+            for s in cutlass.range_constexpr(1, slots):
+                moved = moved | (col_m[s] != m_prev[s])
+            if cute.arch.vote_any_sync(moved):
+                for m in cutlass.range_constexpr(M_TILES):
+                    for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, N)]
             atom_pv = cute.make_mma_atom(tiled_mma_pv.op)
             for m in cutlass.range_constexpr(M_TILES + 1):
                 if const_expr(m < M_TILES):
@@ -442,14 +447,12 @@ def _store_q_parts(mQ: cute.Tensor, batch: Int32, rows: Int32, tidx: Int32, q8: 
     for j in cutlass.range_constexpr(0, D_V // 16, 2):
         x0 = vals[j] * scale
         x1 = vals[j + 1] * scale
-        hi2 = _e4m3x2(x0, x1)
-        h0, h1 = _e4m3x2_to_f32(hi2)
-        lo2 = _e4m3x2(x0 - h0, x1 - h1)
+        hl = _e4m3_parts(x0, x1)
         col = (D_V // 16) * part + j
-        q8[r, col] = cutlass.Uint8(hi2 & 0xFF)
-        q8[r, col + 1] = cutlass.Uint8((hi2 >> 8) & 0xFF)
-        q8[N + r, col] = cutlass.Uint8(lo2 & 0xFF)
-        q8[N + r, col + 1] = cutlass.Uint8((lo2 >> 8) & 0xFF)
+        q8[r, col] = cutlass.Uint8(hl & 0xFF)
+        q8[r, col + 1] = cutlass.Uint8((hl >> 8) & 0xFF)
+        q8[N + r, col] = cutlass.Uint8((hl >> 16) & 0xFF)
+        q8[N + r, col + 1] = cutlass.Uint8((hl >> 24) & 0xFF)
     if part == 0:
         sInv[r] = 1.0 / scale
     for j in cutlass.range_constexpr(D_PE // 16):
@@ -478,16 +481,17 @@ def _v_fragment(frag: cute.Tensor, stage_base: Int32, warp: Int32, lane: Int32, 
     FP8 register A fragment of m64nNk32 (2 k-steps, 4 words each) into `frag` (Int32 view). Per k-step one
     ldmatrix .x4 .trans of the group box (matrix i: keys 8 i .. 8 i + 7 of the step's 32; lane l's row = key
     32 k + l, its 16-byte chunk XORed with key % 8 as the 128-byte swizzle puts it) and one prmt a register:
-    bytes 0, 2 (1, 3) of the words of keys 0..7 and 8..15 make row r (r + 8) over K columns 4c .. 4c + 3."""
+    bytes 0, 2 (1, 3) of the words of keys 0..7 and 8..15, interleaved, make row r (r + 8) over K columns
+    4c .. 4c + 3 (keys 2c, 2c + 8, 2c + 1, 2c + 9)."""
     g = m_tile // 2
     chunk = 4 * (m_tile % 2) + warp
     for k in cutlass.range_constexpr(TILE_N // 32):
         key = 32 * k + lane
         w = _ldsm_x4_trans(stage_base + g * (TILE_N * 128) + key * 128 + ((chunk ^ (key % 8)) * 16))
-        frag[4 * k + 0] = _prmt(w[0], w[1], 0x6420)
-        frag[4 * k + 1] = _prmt(w[0], w[1], 0x7531)
-        frag[4 * k + 2] = _prmt(w[2], w[3], 0x6420)
-        frag[4 * k + 3] = _prmt(w[2], w[3], 0x7531)
+        frag[4 * k + 0] = _prmt(w[0], w[1], 0x6240)
+        frag[4 * k + 1] = _prmt(w[0], w[1], 0x7351)
+        frag[4 * k + 2] = _prmt(w[2], w[3], 0x6240)
+        frag[4 * k + 3] = _prmt(w[2], w[3], 0x7351)
 
 
 def _u8_view(t: cute.Tensor, swizzle) -> cute.Tensor:
@@ -519,24 +523,23 @@ def _prmt(a: Int32, b: Int32, sel: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def _e4m3x2(x0: Float32, x1: Float32, *, loc=None, ip=None) -> Int32:
-    """(x0, x1) -> e4m3 bytes (rn, satfinite) in bits 0..7 and 8..15."""
+def _e4m3_parts(x0: Float32, x1: Float32, *, loc=None, ip=None) -> Int32:
+    """(x0, x1) as e4m3 hi + lo: bits 0..15 the hi pair (x0's byte first), 16..31 the lo pair. Through f16x2,
+    whose 11 significant bits hold what hi and lo keep together (4 + 4)."""
     return Int32(llvm.inline_asm(
         Int32.mlir_type, [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $2, $1;\ncvt.u32.u16 $0, h;\n}\n", "=r,f,f",
+        "{\n.reg .b32 x, h, d;\n.reg .b16 hi, lo;\ncvt.rn.f16x2.f32 x, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 hi, x;\ncvt.rn.f16x2.e4m3x2 h, hi;\nsub.rn.f16x2 d, x, h;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 lo, d;\nmov.b32 $0, {hi, lo};\n}\n", "=r,f,f",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
-def _e4m3x2_to_f32(v: Int32, *, loc=None, ip=None) -> tuple:
-    """The two e4m3 bytes in bits 0..15 of v as fp32 (byte 0, byte 1)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([Float32.mlir_type] * 2), [Int32(v).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b16 h, a, b;\n.reg .b32 f;\ncvt.u16.u32 h, $2;\ncvt.rn.f16x2.e4m3x2 f, h;\n"
-        "mov.b32 {a, b}, f;\ncvt.f32.f16 $0, a;\ncvt.f32.f16 $1, b;\n}\n", "=f,=f,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return (Float32(llvm.extractvalue(Float32.mlir_type, res, [0], loc=loc, ip=ip)),
-            Float32(llvm.extractvalue(Float32.mlir_type, res, [1], loc=loc, ip=ip)))
+def _st_shared_u16(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    """v's bits 0..15 to shared memory at addr."""
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+                    "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.shared.b16 [$0], t;\n}\n", "r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
