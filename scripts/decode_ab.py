@@ -19,6 +19,8 @@ switches, read at launch (so captured with each graph):
                  one tile and two stages (FP8 shapes of 17-32 rows)
   FP8_MMA        cutedsl: the keys-on-M FP8 kernel with FP8 wgmma on the e4m3 bytes against the one dequantizing
                  them into bf16 tiles (FP8 shapes of <= 16 rows)
+  BT_AHEAD       cutedsl: the keys-on-M FP8 kernels reading each refill's block-table entry a page ahead against at
+                 the refill (FP8 shapes of <= 32 rows)
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -80,6 +82,7 @@ SWITCHES = {
     "RANK_ORDER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "RANK_ORDER")),
     "FP8_N32_TWO_TILES": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_N32_TWO_TILES")),
     "FP8_MMA": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA")),
+    "BT_AHEAD": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "BT_AHEAD")),
     "CLUSTER4": ("cutedsl", _cluster4),
     "GRID_ORDER": ("triton", _grid_order),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),

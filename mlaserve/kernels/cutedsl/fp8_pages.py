@@ -120,7 +120,8 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                raw_base: Int32, kv_base: Int32, kv_full: cute.Pointer, kv_empty: cute.Pointer, mBT: cute.Tensor,
                batch: Int32, first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32,
                tiles: cutlass.Constexpr[int] = 1, raw_pe: cutlass.Constexpr[bool] = True,
-               release_every: cutlass.Constexpr[int] = 1, raw_stages: cutlass.Constexpr[int] = RAW_STAGES):
+               release_every: cutlass.Constexpr[int] = 1, raw_stages: cutlass.Constexpr[int] = RAW_STAGES,
+               bt_ahead: cutlass.Constexpr[bool] = False):
     """The loader warpgroup of the FP8 dense kernels (mla_decode_fp8_kernel.py, the narrow one): warp 0
     loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes (and, `raw_pe`, their
     k_pe) by TMA into the ring of `raw_stages` stages; all four warps dequantize page t into bf16 c_kv tile
@@ -129,7 +130,9 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
     then free the raw stage. With one raw stage (k_pe not in it: `raw_pe` False), each thread first takes its
     share of the stage into registers (fp8_dequant.load_raw_page) and the stage is freed, and page t + 1's TMA
     issued, before the wait for the tile and the conversion: the page in flight lands while page t is
-    converted."""
+    converted. With `bt_ahead` (the narrow kernel) warp 0 reads each refill's block-table entry a page before
+    the refill: read at the refill, its latency holds warp 0, and with it the page's conversion, every page
+    (bench/NOTES.md 71: the 64-row kernel measured 0.97-0.99x with it, so it reads at the refill)."""
     gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
     gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
     tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
@@ -151,8 +154,16 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
 
     regs = raw_stages == 1
     raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, raw_stages)
+    next_page = Int32(0)
+    if const_expr(bt_ahead):
+        if warp_idx == 0 and raw_stages < n_tiles:
+            next_page = mBT[batch, first_page + raw_stages]
     for t in cutlass.range(n_tiles, unroll=1):
         valid = seqlen - (start + t * TILE_N)      # rows of this page inside the request (may be > 64)
+        later_page = Int32(0)
+        if const_expr(bt_ahead):
+            if warp_idx == 0 and t + 1 + raw_stages < n_tiles:
+                later_page = mBT[batch, first_page + t + 1 + raw_stages]
         tile = t % tiles
         raw_pipe.consumer_wait(raw_c)
         if const_expr(regs):
@@ -166,8 +177,10 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
         raw_c.advance()
         if warp_idx == 0:
             if t + raw_stages < n_tiles:
-                _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs,
-                           mBT[batch, first_page + t + raw_stages], raw_pe)
+                if const_expr(not bt_ahead):
+                    next_page = mBT[batch, first_page + t + raw_stages]
+                _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, next_page, raw_pe)
+        next_page = later_page
         raw_p.advance()
         if const_expr(regs):
             cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)

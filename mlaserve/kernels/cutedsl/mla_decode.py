@@ -180,6 +180,10 @@ FP8_N32_TWO_TILES = True
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69): b128 h16 s_k 4k/8k/32k 1.01/1.06/1.11x,
 # s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k (4-page splits) 0.81x, hence the bound
 FP8_MMA = True
+# The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
+# a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
+# (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
+BT_AHEAD = True
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
@@ -304,6 +308,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
         key += ("fp8-mma",)
+    if kv_fp8 and narrow and not BT_AHEAD:
+        key += ("bt-at-refill",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -314,12 +320,13 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         t0 = time.perf_counter()
         if fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split),
+            fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD),
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
             tiles = 2 if narrow == 16 or FP8_N32_TWO_TILES else 1
-            fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow, tiles=tiles),
+            fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow, tiles=tiles,
+                                                          bt_ahead=BT_AHEAD),
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")

@@ -71,10 +71,11 @@ class MLADecodeFP8MmaSm90:
     """Compiled per (causal, split); q, out bf16. Launched by mla_decode.py through `__call__`, with the arguments
     of MLADecodeFP8Sm90 (s_q * h <= 16)."""
 
-    def __init__(self, causal: bool, is_split: bool):
+    def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True):
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
+        self.bt_ahead = bt_ahead
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -249,11 +250,21 @@ class MLADecodeFP8MmaSm90:
         bar_red = BAR_RED + 2 * c
         bar_p = BAR_P + 2 * c
 
+        # the block table's entries for the refills, read a page ahead of their use: a read at the refill would
+        # hold warp 0, and with it the warpgroup's next wgmma, for the read's latency (~1 us) every page
+        next_page = Int32(0)
+        if const_expr(self.bt_ahead):
+            if warp == 0 and c + STAGES < n_tiles:
+                next_page = mBT[batch, first_page + c + STAGES]
         for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
             t = c + 2 * u
             st = t % STAGES
             tok0 = start + t * TILE_N
             valid = seqlen - tok0
+            later_page = Int32(0)
+            if const_expr(self.bt_ahead):
+                if warp == 0 and t + 2 + STAGES < n_tiles:
+                    later_page = mBT[batch, first_page + t + 2 + STAGES]
             cute.arch.mbarrier_wait(full + st, (t // STAGES) % 2)
             stage_base = k_base + st * KV_BYTES
             if valid < TILE_N:
@@ -362,8 +373,10 @@ class MLADecodeFP8MmaSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
             if warp == 0 and t + STAGES < n_tiles:
-                _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                           mBT[batch, first_page + t + STAGES], st, lane)
+                if const_expr(not self.bt_ahead):
+                    next_page = mBT[batch, first_page + t + STAGES]
+                _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
+            next_page = later_page
 
         # -- consumer 1 leaves O^T in its stage 1, maxima and sums in its stage 3 (no page lands there any more) --
         vals = cute.size(acc_o[0])

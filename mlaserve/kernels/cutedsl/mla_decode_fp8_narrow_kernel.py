@@ -86,7 +86,7 @@ class MLADecodeFP8NarrowSm90:
     one: k_pe travels in the raw stage); q, out bf16. Launched by mla_decode.py through `__call__`, with the
     arguments of MLADecodeFP8Sm90."""
 
-    def __init__(self, causal: bool, is_split: bool, n: int, tiles: int):
+    def __init__(self, causal: bool, is_split: bool, n: int, tiles: int, bt_ahead: bool = True):
         assert n in (16, 32) and tiles in (1, 2)
         self.dtype = cutlass.BFloat16
         self.causal = causal
@@ -96,6 +96,7 @@ class MLADecodeFP8NarrowSm90:
         self.raw_pe = self.tiles == 1
         self.release_every = 1 if self.raw_pe else RELEASE_EVERY
         self.raw_stages = raw_stages(n, self.tiles)
+        self.bt_ahead = bt_ahead
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -183,7 +184,7 @@ class MLADecodeFP8NarrowSm90:
                        tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
                        storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen,
                        start,
-                       tiles, raw_pe, self.release_every, self.raw_stages)
+                       tiles, raw_pe, self.release_every, self.raw_stages, self.bt_ahead)
         else:
             ctid = tidx - 128
             warp = ctid // 32
@@ -235,9 +236,18 @@ class MLADecodeFP8NarrowSm90:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
             raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.raw_stages)
+            # (not raw_pe) the k_pe refills' block-table entries, read a page ahead (as fp8_loader's)
+            next_page = Int32(0)
+            if const_expr(not raw_pe and self.bt_ahead):
+                if warp == 0 and 1 < n_tiles:
+                    next_page = mBT[batch, first_page + 1]
             for t in cutlass.range(n_tiles, unroll=1):
                 tok0 = start + t * TILE_N
                 tile = t % tiles
+                later_page = Int32(0)
+                if const_expr(not raw_pe and self.bt_ahead):
+                    if warp == 0 and t + 2 < n_tiles:
+                        later_page = mBT[batch, first_page + t + 2]
                 # -- S^T = K Q_nope^T + Kpe Q_pe^T, K's column blocks as soon as the loader hands them over --
                 if const_expr(raw_pe):
                     raw_pipe.consumer_wait(raw_c)
@@ -259,7 +269,10 @@ class MLADecodeFP8NarrowSm90:
                 # every warp's S of page t is done: the k_pe buffer takes page t + 1's
                 if const_expr(not raw_pe):
                     if warp == 0 and t + 1 < n_tiles:
-                        _load_pe(tma_pe, tPg, tPs, pe_full, mBT[batch, first_page + t + 1], lane)
+                        if const_expr(not self.bt_ahead):
+                            next_page = mBT[batch, first_page + t + 1]
+                        _load_pe(tma_pe, tPg, tPs, pe_full, next_page, lane)
+                    next_page = later_page
                 take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (t % 2,))
                 exp_columns(acc_s, m_base, col_l, n)
                 rP.store(acc_s.load().to(self.dtype))
