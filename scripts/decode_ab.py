@@ -19,6 +19,8 @@ switches, read at launch (so captured with each graph):
                  one tile and two stages (FP8 shapes of 17-32 rows)
   FP8_MMA        cutedsl: the keys-on-M FP8 kernel with FP8 wgmma on the e4m3 bytes against the one dequantizing
                  them into bf16 tiles (FP8 shapes of <= 16 rows)
+  FP8_MMA_FORCE  cutedsl: the FP8-MMA kernel for every FP8 step of <= 16 rows against mla_decode.uses_fp8_mma's
+                 split rule (short splits: the bf16-tile kernel)
   BT_AHEAD       cutedsl: the keys-on-M FP8 kernels reading each refill's block-table entry a page ahead against at
                  the refill (FP8 shapes of <= 32 rows)
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
@@ -73,6 +75,14 @@ def _cluster4(on: bool):
                         else default(rows, kv_fp8)) if on else default)
 
 
+def _fp8_mma_force(on: bool):
+    """The FP8-MMA kernel for every FP8 step of <= 16 rows, however short its splits, against the split rule."""
+    cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    rule = _fp8_mma_force.__dict__.setdefault("rule", cd.uses_fp8_mma)
+    cd.uses_fp8_mma = ((lambda kv_fp8, rows, max_pages, num_splits: cd.FP8_MMA and kv_fp8
+                        and cd.fp8_narrow_cols(rows) == 16) if on else rule)
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -83,6 +93,7 @@ SWITCHES = {
     "FP8_N32_TWO_TILES": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_N32_TWO_TILES")),
     "FP8_MMA": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA")),
     "BT_AHEAD": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "BT_AHEAD")),
+    "FP8_MMA_FORCE": ("cutedsl", _fp8_mma_force),
     "CLUSTER4": ("cutedsl", _cluster4),
     "GRID_ORDER": ("triton", _grid_order),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
