@@ -57,8 +57,8 @@ def test_fp8_requests_of_few_rows_take_the_keys_on_m_kernel(rows, want):
 
 
 @pytest.mark.parametrize("rows, max_pages, num_splits, want", [
-    (16, 128, 1, True), (16, 64, 2, True), (8, 512, 16, True),     # splits of >= 32 pages at <= 16 rows
-    (16, 512, 17, False), (16, 31, 1, False),                      # shorter splits: the bf16-tile kernel
+    (16, 128, 1, True), (16, 96, 2, True), (8, 768, 16, True),     # splits of >= 48 pages at <= 16 rows
+    (16, 512, 11, False), (16, 47, 1, False), (16, 32, 1, False),  # shorter splits: the bf16-tile kernel
     (17, 512, 1, False), (32, 512, 1, False), (64, 512, 1, False),  # more rows than the FP8-MMA kernel takes
 ])
 def test_fp8_mma_kernel_only_at_16_rows_with_long_splits(monkeypatch, rows, max_pages, num_splits, want):

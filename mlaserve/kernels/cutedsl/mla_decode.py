@@ -14,7 +14,7 @@ without host work and can be captured in a CUDA graph. The module exposes the pl
 
 Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576]
 with any s_q and h, KV in q's dtype [pages, 64, 576] or, with bf16 q, the FP8 format uint8
-[pages, 64, 656] (at most 16 query rows a request with splits of >= 32 pages: FP8 wgmma on the e4m3 bytes,
+[pages, 64, 656] (at most 16 query rows a request with splits of >= 48 pages: FP8 wgmma on the e4m3 bytes,
 mla_decode_fp8_mma_kernel.py; else dequantized to bf16 in smem: mla_decode_fp8_narrow_kernel.py, keys on
 wgmma's M side, for requests of at most 32 query rows; mla_decode_fp8_kernel.py for more), head_dim_v 512.
 `nvidia-cutlass-dsl` is imported on the first launch only: checks and plans work without it.
@@ -45,9 +45,9 @@ _LOG2E = 1.4426950408889634
 
 # What choose_num_splits needs to know of this kernel: 64-row tiles, one program per tile and split,
 # splits of at least 256 tokens (num_warps/num_stages are the Triton kernel's knobs, unused here).
-# fp8_mma_min_pages: the FP8-MMA kernel (mla_decode_fp8_mma_kernel.py) where each split spans >= 32 pages, the rule
-# triton's Gluon FP8-MMA kernel follows (uses_fp8_mma)
-CONFIG = MLADecodeConfig(block_h=TILE_M, block_n=PAGE_SIZE, v_split=1, min_split_tokens=256, fp8_mma_min_pages=32)
+# fp8_mma_min_pages: the FP8-MMA kernel (mla_decode_fp8_mma_kernel.py) where each split spans >= 48 pages (triton's
+# rule for its Gluon FP8-MMA kernel, uses_fp8_mma, with this kernel's bound: FP8_MMA's comment)
+CONFIG = MLADecodeConfig(block_h=TILE_M, block_n=PAGE_SIZE, v_split=1, min_split_tokens=256, fp8_mma_min_pages=48)
 
 # seconds spent compiling each specialization, by compile key (dtype, causal, split, KV kind "16bit"/"fp8",
 # CTAs per cluster)
@@ -177,8 +177,10 @@ STORE_16B = True
 FP8_N32_TWO_TILES = True
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
-# (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69): b128 h16 s_k 4k/8k/32k 1.01/1.06/1.11x,
-# s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k (4-page splits) 0.81x, hence the bound
+# (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
+# kernel, a request (split) of 64 pages 1.044x (b128 h16 s_k 4096; s_q2 h8 1.047x), 48 pages 1.008x, 32 pages
+# 0.958x (b128 h16 s_k 2048; b8 h16 32k's 32-page splits 1.006x), 16 pages 0.90x (b4 h16 32k), 8 pages 0.80x, hence
+# the bound of 48; b16 h16 32k (64-page splits) 1.075x
 FP8_MMA = True
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200

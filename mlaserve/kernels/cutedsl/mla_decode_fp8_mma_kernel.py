@@ -22,7 +22,7 @@ Both consumers build Q's hi/lo parts at the start (18 KB of Q from global memory
 Measured on the H200 (bench/NOTES.md 69; decode_ab against the bf16-tile kernel, 10 rounds): b128 h16 s_k
 4k/8k/32k 118.3/212.4/765.1 us against 120.1/224.9/848.2 (1.01/1.06/1.11x; FP8 at 1.33x / 1.41x the bf16
 kernel's 282.5 / 1076.1 us at 8k / 32k), s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k 0.81x (4-page splits:
-Q's parts and the ring's fill are paid per split), hence mla_decode.CONFIG.fp8_mma_min_pages. Nsight Compute at
+Q's parts and the ring's fill are paid per split), hence mla_decode.CONFIG.fp8_mma_min_pages (48 since NOTES 72). Nsight Compute at
 b128 h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts (2067 k). Then (NOTES
 71) P's parts through f16x2 and stored as 2-byte key pairs, and O^T's rescale skipped where no maximum moved:
 ~13% fewer instructions a page, b128 h16 s_k 8k / 32k 200 / 702 us against 210 / 759 (1.05x / 1.08x).
