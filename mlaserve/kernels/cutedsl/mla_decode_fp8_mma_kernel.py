@@ -22,10 +22,11 @@ Both consumers build Q's hi/lo parts at the start (18 KB of Q from global memory
 Measured on the H200 (bench/NOTES.md 69; decode_ab against the bf16-tile kernel, 10 rounds): b128 h16 s_k
 4k/8k/32k 118.3/212.4/765.1 us against 120.1/224.9/848.2 (1.01/1.06/1.11x; FP8 at 1.33x / 1.41x the bf16
 kernel's 282.5 / 1076.1 us at 8k / 32k), s_q2 h8 8k 1.06x, b16 h16 32k 1.04x; b1 h16 32k 0.81x (4-page splits:
-Q's parts and the ring's fill are paid per split), hence mla_decode.CONFIG.fp8_mma_min_pages (48 since NOTES 72). Nsight Compute at
-b128 h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts (2067 k). Then (NOTES
-71) P's parts through f16x2 and stored as 2-byte key pairs, and O^T's rescale skipped where no maximum moved:
-~13% fewer instructions a page, b128 h16 s_k 8k / 32k 200 / 702 us against 210 / 759 (1.05x / 1.08x).
+Q's parts and the ring's fill are paid per split), hence mla_decode.CONFIG.fp8_mma_min_pages (48 since NOTES
+72). Nsight Compute at b128 h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts
+(2067 k). Then (NOTES 71) P's parts through f16x2 and stored as 2-byte key pairs, and O^T's rescale skipped where
+no maximum moved: ~13% fewer instructions a page, b128 h16 s_k 8k / 32k 200 / 702 us against 210 / 759 (1.05x /
+1.08x).
 
 A thread (lane = 4 q + c of warp w) holds S^T rows (keys) r = 16 w + q and r + 8. V^T's fragments put dims
 2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (the order _v_dim undoes in the store) and, within each
@@ -251,7 +252,7 @@ class MLADecodeFP8MmaSm90:
         bar_p = BAR_P + 2 * c
 
         # the block table's entries for the refills, read a page ahead of their use: a read at the refill would
-        # hold warp 0, and with it the warpgroup's next wgmma, for the read's latency (~1 us) every page
+        # hold warp 0, and with it the warpgroup's next wgmma, for a global load's latency every page
         next_page = Int32(0)
         if const_expr(self.bt_ahead):
             if warp == 0 and c + STAGES < n_tiles:
