@@ -293,6 +293,26 @@ def test_fp8_mma_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("lens, s_q, h, num_splits", [
+    ([1, 63, 64, 4096], 1, 16, None),
+    ([777, 5], 3, 5, None),                        # 15 rows: the 16th reads a clamped row and zeroes it
+    ([3000, 17, 64, 2000], 1, 16, 4),              # the fp32 split partials in pairs
+    ([2, 65, 1000, 129], 2, 7, 3),
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
+def test_fp8_mma_vector_io_equals_value_io(monkeypatch, lens, s_q, h, num_splits):
+    """The FP8-MMA kernel's Q in 16-byte loads and O in pairs (mla_decode.FP8_MMA_VEC_IO): the same bits as its
+    value-by-value loads and stores."""
+    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 3 * h)
+    _fp8_mma_for_every_split(monkeypatch)
+    monkeypatch.setattr(cd, "FP8_MMA_VEC_IO", True)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, "FP8_MMA_VEC_IO", False)
+    out1, lse1 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, True))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("s_q, h", [(1, 128), (2, 64)])
 def test_fp8_grid_of_several_waves_takes_requests_longest_first(monkeypatch, s_q, h):
     """More 64-row CTAs than SMs, unsplit, ragged lengths (empty and one-token requests among them): the FP8

@@ -186,6 +186,10 @@ FP8_MMA = True
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
 BT_AHEAD = True
+# The FP8-MMA kernel's Q read in 16-byte loads (the 16 threads of a row take its 16-byte chunks) and stored as
+# 8-byte hi / lo pieces, and O stored as bf16 pairs (fp32 pairs for split partials), against scalar loads and
+# stores value by value (False: for A/B runs)
+FP8_MMA_VEC_IO = True
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
@@ -312,6 +316,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("fp8-mma",)
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
+    if fp8_mma and not FP8_MMA_VEC_IO:
+        key += ("scalar-io",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -322,7 +328,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         t0 = time.perf_counter()
         if fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD),
+            fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD,
+                                                          vec_io=FP8_MMA_VEC_IO),
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")

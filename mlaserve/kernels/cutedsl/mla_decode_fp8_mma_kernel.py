@@ -72,11 +72,12 @@ class MLADecodeFP8MmaSm90:
     """Compiled per (causal, split); q, out bf16. Launched by mla_decode.py through `__call__`, with the arguments
     of MLADecodeFP8Sm90 (s_q * h <= 16)."""
 
-    def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True):
+    def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True, vec_io: bool = True):
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
         self.bt_ahead = bt_ahead
+        self.vec_io = vec_io
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -201,8 +202,12 @@ class MLADecodeFP8MmaSm90:
                     _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
                                mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
 
-        # -- Q's parts, both consumers: 16 threads a row, 32 columns each --
-        _store_q_parts(mQ, batch, rows, tidx, _u8_view(sQ8, sQ8_layout.inner), sQpe, sInv)
+        # -- Q's parts, both consumers: 16 threads a row --
+        if const_expr(self.vec_io):
+            _store_q_parts_16b(mQ.iterator.toint(), batch, rows, tidx, storage.sQ8.data_ptr().toint(),
+                               storage.sQpe.data_ptr().toint(), sInv)
+        else:
+            _store_q_parts(mQ, batch, rows, tidx, _u8_view(sQ8, sQ8_layout.inner), sQpe, sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
 
@@ -414,16 +419,36 @@ class MLADecodeFP8MmaSm90:
             # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
             par = (n_tiles + 1) // 2 % 2
             inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
-            for m in cutlass.range_constexpr(M_TILES):
-                for i in cutlass.range_constexpr(vals):
-                    r = tOcO[i][1]
-                    d = 64 * m + _v_dim(tOcO[i][0])
-                    if r < rows:
-                        val = acc_o[m][i] * inv_l[col_slot(i, N)]
-                        if const_expr(self.is_split):
-                            mPO[batch, split, r, d] = val
-                        else:
-                            mOut[batch, r, d] = val.to(self.dtype)
+            if const_expr(self.vec_io):
+                # values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; _v_dim): one 4-byte (bf16) or
+                # 8-byte (fp32 partials) store a pair
+                out_base = mPO.iterator.toint() if const_expr(self.is_split) else mOut.iterator.toint()
+                row0 = batch * rows
+                if const_expr(self.is_split):
+                    row0 = (batch * mPO.shape[1] + split) * rows
+                for m in cutlass.range_constexpr(M_TILES):
+                    for i in cutlass.range_constexpr(vals):
+                        if const_expr(i % 4 < 2):
+                            r = tOcO[i][1]
+                            d = 64 * m + _v_dim(tOcO[i][0])
+                            if r < rows:
+                                f = inv_l[col_slot(i, N)]
+                                at = cutlass.Int64((row0 + r) * D_V + d)
+                                if const_expr(self.is_split):
+                                    _st_global_v2_f32(out_base + at * 4, acc_o[m][i] * f, acc_o[m][i + 2] * f)
+                                else:
+                                    _st_global_bf16x2(out_base + at * 2, acc_o[m][i] * f, acc_o[m][i + 2] * f)
+            else:
+                for m in cutlass.range_constexpr(M_TILES):
+                    for i in cutlass.range_constexpr(vals):
+                        r = tOcO[i][1]
+                        d = 64 * m + _v_dim(tOcO[i][0])
+                        if r < rows:
+                            val = acc_o[m][i] * inv_l[col_slot(i, N)]
+                            if const_expr(self.is_split):
+                                mPO[batch, split, r, d] = val
+                            else:
+                                mOut[batch, r, d] = val.to(self.dtype)
             store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
 
 
@@ -508,6 +533,58 @@ def _v_fragment(frag: cute.Tensor, stage_base: Int32, warp: Int32, lane: Int32, 
         frag[4 * k + 3] = _prmt(w[2], w[3], 0x7351)
 
 
+@cute.jit
+def _store_q_parts_16b(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, q8_base: Int32,
+                       qpe_base: Int32, sInv: cute.Tensor):
+    """_store_q_parts in 16-byte pieces: the 16 threads of row r take its 16-byte chunks k = part + 16 j, j < 4
+    (a half warp's load is 256 contiguous bytes), and parts < 8 the rope chunk 64 + part. Rows past `rows` read
+    row 0 and are zeroed. Byte addresses: q_base (q row b * rows + r at 1152 (b * rows + r)); q8_base: sQ8
+    [32, 512] e4m3 in the 128-byte swizzle (atoms of 8 rows of 128 bytes, 4 atoms down at 1024, then 4 across at
+    4096; 16-byte chunk c of a row's 128 bytes sits at c ^ (row % 8)); qpe_base: sQpe [16, 64] bf16, likewise."""
+    r = tidx // 16
+    part = tidx % 16
+    rr = r
+    if r >= rows:
+        rr = 0
+    row_addr = q_base + cutlass.Int64(batch * rows + rr) * (D_QK * 2)
+    words = cute.make_rmem_tensor(16, Int32)
+    for j in cutlass.range_constexpr(4):
+        w = _ld_global_v4_b32(row_addr + (part + 16 * j) * 16)
+        for e in cutlass.range_constexpr(4):
+            words[4 * j + e] = w[e]
+    pe = cute.make_rmem_tensor(4, Int32)
+    pe.fill(0)
+    if part < D_PE // 8:
+        w = _ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
+        for e in cutlass.range_constexpr(4):
+            pe[e] = w[e]
+    if r >= rows:
+        words.fill(0)
+        pe.fill(0)
+    vals = cute.make_rmem_tensor(32, Float32)
+    amax = Float32(0.0)
+    for e in cutlass.range_constexpr(16):
+        lo, hi = _bf16x2_to_f32(words[e])
+        vals[2 * e] = lo
+        vals[2 * e + 1] = hi
+        amax = cute.arch.fmax(amax, cute.arch.fmax(cute.arch.fmax(lo, -lo), cute.arch.fmax(hi, -hi)))
+    for off in (1, 2, 4, 8):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
+    scale = _pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
+    for j in cutlass.range_constexpr(4):
+        hl = [_e4m3_parts(vals[8 * j + 2 * e] * scale, vals[8 * j + 2 * e + 1] * scale) for e in range(4)]
+        chunk = ((part // 2) ^ (r % 8)) * 16 + 8 * (part % 2) + 4096 * j
+        hi_addr = q8_base + (r // 8) * 1024 + (r % 8) * 128 + chunk
+        lo_addr = q8_base + ((N + r) // 8) * 1024 + (r % 8) * 128 + chunk    # row N + r: (N + r) % 8 is r % 8
+        _st_shared_v2_b32(hi_addr, _prmt(hl[0], hl[1], 0x5410), _prmt(hl[2], hl[3], 0x5410))
+        _st_shared_v2_b32(lo_addr, _prmt(hl[0], hl[1], 0x7632), _prmt(hl[2], hl[3], 0x7632))
+    if part == 0:
+        sInv[r] = 1.0 / scale
+    if part < D_PE // 8:
+        _st_shared_v4_b32(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16,
+                          [pe[0], pe[1], pe[2], pe[3]])
+
+
 def _u8_view(t: cute.Tensor, swizzle) -> cute.Tensor:
     """An e4m3 smem tensor as bytes, its swizzle kept (recast_tensor drops it from the pointer)."""
     return cute.make_tensor(cute.recast_ptr(t.iterator, swizzle_=swizzle, dtype=cutlass.Uint8), t.layout)
@@ -573,4 +650,57 @@ def _pow2_scale(amax: Float32, *, loc=None, ip=None) -> Float32:
 def _st_shared_zero16(addr: Int32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)],
                     "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _ld_global_v4_b32(addr: cutlass.Int64, *, loc=None, ip=None) -> list:
+    """The 16 bytes at global address `addr` (16-byte aligned) as 4 words, through the read-only path."""
+    quad = llvm.inline_asm(
+        llvm.StructType.get_literal([Int32.mlir_type] * 4), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(Int32.mlir_type, quad, [e], loc=loc, ip=ip)) for e in range(4)]
+
+
+@dsl_user_op
+def _bf16x2_to_f32(w: Int32, *, loc=None, ip=None) -> tuple:
+    """A word's two bf16 (bits 0..15, 16..31) as fp32."""
+    pair = llvm.inline_asm(
+        llvm.StructType.get_literal([Float32.mlir_type] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}\n",
+        "=f,=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return (Float32(llvm.extractvalue(Float32.mlir_type, pair, [0], loc=loc, ip=ip)),
+            Float32(llvm.extractvalue(Float32.mlir_type, pair, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def _st_shared_v2_b32(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(a).ir_value(loc=loc, ip=ip),
+                           Int32(b).ir_value(loc=loc, ip=ip)],
+                    "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _st_shared_v4_b32(addr: Int32, v: list, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), *(Int32(x).ir_value(loc=loc, ip=ip) for x in v)],
+                    "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _st_global_bf16x2(addr: cutlass.Int64, lo: Float32, hi: Float32, *, loc=None, ip=None) -> None:
+    """(lo, hi) rounded to bf16, one 4-byte store at `addr` (lo first)."""
+    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip),
+                           Float32(hi).ir_value(loc=loc, ip=ip)],
+                    "{\n.reg .b32 t;\ncvt.rn.bf16x2.f32 t, $2, $1;\nst.global.b32 [$0], t;\n}\n", "l,f,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _st_global_v2_f32(addr: cutlass.Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
+                           Float32(b).ir_value(loc=loc, ip=ip)],
+                    "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
