@@ -24,6 +24,7 @@ switches, read at launch (so captured with each graph):
   BT_AHEAD       cutedsl: the keys-on-M FP8 kernels reading each refill's block-table entry a page ahead against at
                  the refill (FP8 shapes of <= 32 rows)
   FP8_MMA_VEC_IO cutedsl: the FP8-MMA kernel's Q in 16-byte loads and O in bf16 pairs against value by value
+  FP8_MMA_EARLY_REFILL cutedsl: the FP8-MMA kernel refilling a stage after its last V^T read against after the page
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -98,6 +99,7 @@ SWITCHES = {
     "CLUSTER4": ("cutedsl", _cluster4),
     "GRID_ORDER": ("triton", _grid_order),
     "FP8_MMA_VEC_IO": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_VEC_IO")),
+    "FP8_MMA_EARLY_REFILL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_EARLY_REFILL")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
     "GLUON_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "STORE_16B")),

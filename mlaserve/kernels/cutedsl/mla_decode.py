@@ -188,8 +188,13 @@ FP8_MMA = True
 BT_AHEAD = True
 # The FP8-MMA kernel's Q read in 16-byte loads (the 16 threads of a row take its 16-byte chunks) and stored as
 # 8-byte hi / lo pieces, and O stored as bf16 pairs (fp32 pairs for split partials), against scalar loads and
-# stores value by value (False: for A/B runs)
+# stores value by value (False: for A/B runs). On the H200 (bench/NOTES.md 75): b128 h16 4k/8k 1.020/1.012x,
+# b16 h16 32k 1.017x, the same bits
 FP8_MMA_VEC_IO = True
+# The FP8-MMA kernel refills a page's stage right after its last V^T fragment is read (before the last two tiles'
+# P V are folded into O^T) against after the page (False: for A/B runs). On the H200 (bench/NOTES.md 75):
+# 1.001-1.006x at every FP8-MMA shape measured
+FP8_MMA_EARLY_REFILL = True
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
@@ -318,6 +323,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
         key += ("scalar-io",)
+    if fp8_mma and FP8_MMA_EARLY_REFILL:
+        key += ("early-refill",)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -329,7 +336,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
             fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD,
-                                                          vec_io=FP8_MMA_VEC_IO),
+                                                          vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL),
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")

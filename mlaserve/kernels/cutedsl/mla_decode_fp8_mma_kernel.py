@@ -72,12 +72,14 @@ class MLADecodeFP8MmaSm90:
     """Compiled per (causal, split); q, out bf16. Launched by mla_decode.py through `__call__`, with the arguments
     of MLADecodeFP8Sm90 (s_q * h <= 16)."""
 
-    def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True, vec_io: bool = True):
+    def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True, vec_io: bool = True,
+                 early_refill: bool = False):
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
         self.bt_ahead = bt_ahead
         self.vec_io = vec_io
+        self.early_refill = early_refill
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -365,6 +367,15 @@ class MLADecodeFP8MmaSm90:
                         cute.gemm(atom_pv, acc_t[m % 2], buf[None, None, k],
                                   tOrP[None, None, k, GROUPS * c + m // 2], acc_t[m % 2])
                     warpgroup.commit_group()
+                    if const_expr(self.early_refill and m == M_TILES - 1):
+                        # the stage's last ldmatrix is done: refill it now, before the last two tiles' folds
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+                        if warp == 0 and t + STAGES < n_tiles:
+                            if const_expr(not self.bt_ahead):
+                                next_page = mBT[batch, first_page + t + STAGES]
+                            _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st,
+                                       lane)
                 if const_expr(m > 0):
                     # tile m - 1's product is complete once at most one group (tile m's) is pending
                     if const_expr(m < M_TILES):
@@ -375,13 +386,14 @@ class MLADecodeFP8MmaSm90:
                     tt = acc_t[(m - 1) % 2]
                     for i in cutlass.range_constexpr(cute.size(acc_o[m - 1])):
                         acc_o[m - 1][i] = acc_o[m - 1][i] + (tt[i] + tt[i + half]) * f
-            # the stage's generic reads (ldmatrix) before its next TMA; warp 0 refills it with page t + 4
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-            if warp == 0 and t + STAGES < n_tiles:
-                if const_expr(not self.bt_ahead):
-                    next_page = mBT[batch, first_page + t + STAGES]
-                _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
+            if const_expr(not self.early_refill):
+                # the stage's generic reads (ldmatrix) before its next TMA; warp 0 refills it with page t + 4
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+                if warp == 0 and t + STAGES < n_tiles:
+                    if const_expr(not self.bt_ahead):
+                        next_page = mBT[batch, first_page + t + STAGES]
+                    _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
             next_page = later_page
 
         # -- consumer 1 leaves O^T in its stage 1, maxima and sums in its stage 3 (no page lands there any more) --
