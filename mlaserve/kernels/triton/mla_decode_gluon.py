@@ -53,19 +53,24 @@ TWO_POW_120 = gl.constexpr(2.0 ** 120)
 
 @gluon.jit
 def _load_partition(q_desc, kv_desc, sc_desc, kpe_desc, bt_row, q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem, q_bar,
-                    ready, empty, q_row0, first_page, n_tiles, STAGES: gl.constexpr, KV_FP8: gl.constexpr):
+                    ready, empty, q_row0, first_page, n_tiles, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
+                    BT_EARLY: gl.constexpr):
     """The producer warp: Q once, then page t of the split into ring stage t % STAGES once it is free (FP8: the
     e4m3 c_kv in four [64, 128] boxes, the [64, 4] scales and the bf16 k_pe, through three descriptors over
-    the same cache rows)."""
+    the same cache rows). BT_EARLY: the page's block-table entry is read before the wait for the stage, so that
+    its latency passes during the wait instead of after it."""
     mbarrier.expect(q_bar, BLOCK_M * D_QK * 2)
     for c in gl.static_range(NBOX):
         tma.async_copy_global_to_shared(q_desc, [q_row0, c * BOX], q_bar, q_smem.slice(c * BOX, BOX, dim=1))
     tma.async_copy_global_to_shared(q_desc, [q_row0, D_V], q_bar, qpe_smem)
     for t in range(n_tiles):
         s = t % STAGES
+        if BT_EARLY:
+            page = gl.load(bt_row + first_page + t)
         # fill t // STAGES of stage s waits for the release of the fill before it (the first round passes)
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        page = gl.load(bt_row + first_page + t)
+        if not BT_EARLY:
+            page = gl.load(bt_row + first_page + t)
         bar = ready.index(s)
         if KV_FP8:
             mbarrier.expect(bar, PAGE * ROW_BYTES)
@@ -229,7 +234,7 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens
                              pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_btb, stride_pob,
                              stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr,
                              DTYPE: gl.constexpr, KV_FP8: gl.constexpr, ORDERED: gl.constexpr,
-                             STORE_16B: gl.constexpr = False):
+                             STORE_16B: gl.constexpr = False, BT_EARLY: gl.constexpr = False):
     """Grid (b * cdiv(ROWS, 64), num_splits); 8 warps + the producer warp. q_desc: q as [b * ROWS, 576] (row =
     token j * H + head), kv_desc: the cache as [pages * 64, 576], boxes [64, 64] (sc_desc, kpe_desc: the same);
     FP8: the cache as [pages * 64, 656] bytes seen as e4m3 ([64, 128] boxes), fp32 scales ([64, 4]) and bf16
@@ -285,7 +290,7 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens
                                n_tiles, start, seqlen, vis_len, min_vis, qk_scale, STAGES, DTYPE, S_LAYOUT, O_LAYOUT,
                                KV_FP8)),
          (_load_partition, (q_desc, kv_desc, sc_desc, kpe_desc, bt_row, q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem,
-                            q_bar, ready, empty, q_row0, start // PAGE, n_tiles, STAGES, KV_FP8))],
+                            q_bar, ready, empty, q_row0, start // PAGE, n_tiles, STAGES, KV_FP8, BT_EARLY))],
         [1], [24])
 
     inv_l, lse = finish_rows(m_i, l_i, ROW_O)
@@ -324,6 +329,9 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16}
 # accumulator's layout; for A/B runs). The CuTe kernels' epilogue took 11.5 k cycles an item that way, 4.0 k with
 # 16-byte stores (bench/NOTES.md 54).
 STORE_16B = True
+# The Gluon decode kernels' producers (this one's, the narrow and FP8-MMA kernels') read a page's block-table entry
+# before waiting for its ring stage to be free, not after (False: for A/B runs)
+BT_EARLY = True
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
@@ -371,6 +379,6 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         cache_seqlens if order is None else order, softmax_scale * LOG2E.value,
         plan.num_splits, h, s_q, rows, block_table.stride(0), po.stride(0), po.stride(1),
         CAUSAL=causal, IS_SPLIT=split, STAGES=stages, DTYPE=_GL_DTYPES[q.dtype], KV_FP8=kv_fp8,
-        ORDERED=order is not None, STORE_16B=STORE_16B, num_warps=8)
+        ORDERED=order is not None, STORE_16B=STORE_16B, BT_EARLY=BT_EARLY, num_warps=8)
     if split:
         combine_splits(plan, out, lse)

@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from mlaserve.kernels import fp8_format
+from mlaserve.kernels.triton import mla_decode_gluon
 from mlaserve.kernels.triton.mla_decode_gluon import (dequantize_group, finish_rows, split_and_visibility,
                                                        zero_rows_from)
 
@@ -61,10 +62,12 @@ MAX_ROWS = 32                 # query rows per request: the MMA's N is 16 or 32 
 @gluon.jit
 def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty, raw_ready,
                     raw_empty, first_page, n_tiles, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
-                    DQ_WG: gl.constexpr, RAW_UNITS: gl.constexpr):
+                    DQ_WG: gl.constexpr, RAW_UNITS: gl.constexpr, BT_EARLY: gl.constexpr = False):
     """The producer warp: page t of the split into ring stage t % STAGES once the stage is free. With DQ_WG the
     page's c_kv goes in two half-page units (columns 0-255, 256-511; the page's scales with each) into the raw
-    ring (RAW_UNITS deep, raw_ready / raw_empty), and k_pe straight into the bf16 tile t % 2 once it is free."""
+    ring (RAW_UNITS deep, raw_ready / raw_empty), and k_pe straight into the bf16 tile t % 2 once it is free.
+    BT_EARLY (mla_decode_gluon.BT_EARLY): without DQ_WG, the page's block-table entry is read before the wait for
+    its stage instead of after it."""
     for t in range(n_tiles):
         s = t % STAGES
         if DQ_WG:
@@ -82,8 +85,11 @@ def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_
             mbarrier.expect(ready.index(s), PAGE * D_PE * 2)
             tma.async_copy_global_to_shared(kpe_desc, [row, (D_V + 16) // 2], ready.index(s), kpe_smem.index(s))
         else:
+            if BT_EARLY:
+                row = gl.load(bt_row + first_page + t) * PAGE
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            row = gl.load(bt_row + first_page + t) * PAGE
+            if not BT_EARLY:
+                row = gl.load(bt_row + first_page + t) * PAGE
             bar = ready.index(s)
             if KV_FP8:
                 mbarrier.expect(bar, PAGE * (D_V + 4 * 4 + D_PE * 2))
@@ -280,7 +286,7 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
                               pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb,
                               stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr,
                               STAGES: gl.constexpr, KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr,
-                              ORDERED: gl.constexpr):
+                              ORDERED: gl.constexpr, BT_EARLY: gl.constexpr = False):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp (+ 4 dequantizing warps with DQ_WG).
     q [b, ROWS, 576] bf16 (row = token j * H + head, ROWS <= BLOCK_R = 16 or 32); the cache behind its
     descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of a row), bf16 as [pages * 64, 576] (one,
@@ -359,7 +365,8 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
              (_dequant_partition, (ckv_smem, sc_smem, kbuf, raw_ready, raw_empty, ready, empty, seqlens_ptr, b,
                                    num_splits, H, S_Q, CAUSAL, RAW_UNITS)),
              (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
-                                raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS))],
+                                raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS,
+                                BT_EARLY))],
             [4, 4, 1], [WORKER_REGS, DQ_REGS, 24])
     else:
         gl.warp_specialize(
@@ -370,7 +377,8 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
                                  xbar, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q,
                                  ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG)),
              (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
-                                raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS))],
+                                raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS,
+                                BT_EARLY))],
             [4, 1], [WORKER_REGS, 24])
 
 
@@ -439,6 +447,7 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
         cache_seqlens if order is None else order, softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows,
         qc.stride(0), block_table.stride(0), po.stride(0), po.stride(1),
         CAUSAL=causal, IS_SPLIT=split, STAGES=ring_stages(kv_fp8, rows, dq, stages),
-        KV_FP8=kv_fp8, BLOCK_R=16 if rows <= 16 else 32, DQ_WG=dq, ORDERED=order is not None, num_warps=4)
+        KV_FP8=kv_fp8, BLOCK_R=16 if rows <= 16 else 32, DQ_WG=dq, ORDERED=order is not None,
+        BT_EARLY=mla_decode_gluon.BT_EARLY, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
