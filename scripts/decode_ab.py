@@ -28,8 +28,8 @@ switches, read at launch (so captured with each graph):
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
-  GLUON_BT_EARLY    triton: the Gluon kernels' producers reading a page's block-table entry before waiting for its
-                    stage against after
+  GLUON_BT_EARLY    triton: the 64-row and narrow Gluon kernels' producers reading a page's block-table entry
+                    before waiting for its stage against after
   GLUON_STORE_16B   triton: the 64-row Gluon kernel's O converted to 16 bytes a thread before the stores
 
     python scripts/decode_ab.py

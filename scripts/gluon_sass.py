@@ -35,7 +35,7 @@ def _fp8_descs():
     return [mangle_type(d) for d in (ckv, sc, kpe)]
 
 
-def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mma", ordered=0, bt_early=1):
+def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mma", ordered=0):
     import importlib
     m = importlib.import_module(module)
     d = _fp8_descs()
@@ -43,9 +43,8 @@ def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mm
            "seqlens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
            "order_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32",
            "stride_qb": "i32", "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
-           "IS_SPLIT": "constexpr", "ORDERED": "constexpr", "BT_EARLY": "constexpr"}
-    return m._mla_decode_fp8mma_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "ORDERED": ordered,
-                                              "BT_EARLY": bt_early}
+           "IS_SPLIT": "constexpr", "ORDERED": "constexpr"}
+    return m._mla_decode_fp8mma_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "ORDERED": ordered}
 
 
 def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narrow", fp8=1, rows=16, dq=1,
@@ -100,12 +99,11 @@ def main():
     ap.add_argument("--rows", type=int, default=16, help="narrow: BLOCK_R, 16 or 32")
     ap.add_argument("--ordered", type=int, default=0, help="the request axis through an order (ORDERED)")
     ap.add_argument("--store16", type=int, default=1, help="rows64: STORE_16B")
-    ap.add_argument("--bt-early", type=int, default=1, help="BT_EARLY: block-table reads before the stage waits")
+    ap.add_argument("--bt-early", type=int, default=1, help="rows64, narrow: BT_EARLY (block-table reads before the stage waits)")
     a = ap.parse_args()
     num_warps = 4
     if a.kernel == "fp8mma":
-        fn, sig, consts = fp8mma(a.causal, a.split, *([a.module] if a.module else []), ordered=a.ordered,
-                                 bt_early=a.bt_early)
+        fn, sig, consts = fp8mma(a.causal, a.split, *([a.module] if a.module else []), ordered=a.ordered)
     elif a.kernel == "rows64":
         fn, sig, consts = rows64(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8 if a.fp8 != 1 or
                                  "--fp8" in sys.argv else 0, ordered=a.ordered, store16=a.store16,

@@ -329,8 +329,9 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16}
 # accumulator's layout; for A/B runs). The CuTe kernels' epilogue took 11.5 k cycles an item that way, 4.0 k with
 # 16-byte stores (bench/NOTES.md 54).
 STORE_16B = True
-# The Gluon decode kernels' producers (this one's, the narrow and FP8-MMA kernels') read a page's block-table entry
-# before waiting for its ring stage to be free, not after (False: for A/B runs)
+# This kernel's and the narrow kernels' producers read a page's block-table entry before waiting for its ring stage
+# to be free, not after (False: for A/B runs). On the H200 (bench/NOTES.md 76): bf16 b128 h16/h32/h64 8k 1.007/
+# 1.009/1.005x, FP8 h32/h64 level; the FP8-MMA kernel's producer keeps the read after the wait (0.979-0.996x)
 BT_EARLY = True
 
 

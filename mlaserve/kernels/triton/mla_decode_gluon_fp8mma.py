@@ -42,7 +42,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from mlaserve.kernels import fp8_format
-from mlaserve.kernels.triton import mla_decode_gluon
 from mlaserve.kernels.triton.mla_decode_gluon import finish_rows, split_and_visibility
 from mlaserve.kernels.triton.mla_decode_gluon_narrow import (_load_partition, fp8_descriptors, softmax_keys_on_m,
                                                               store_columns)
@@ -300,7 +299,7 @@ def _store_group(o, g: gl.constexpr, inv_l, rows, row_ok, b, split, ROWS, out_pt
 def _mla_decode_fp8mma_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr,
                               pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb,
                               stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr,
-                              ORDERED: gl.constexpr, BT_EARLY: gl.constexpr = False):
+                              ORDERED: gl.constexpr):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp. q [b, ROWS, 576] bf16 (row = token j * H +
     head, ROWS <= 16); the FP8 cache behind three descriptors over its [pages * 64, 656] bytes. out [b * ROWS,
     512] bf16, lse [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead.
@@ -365,7 +364,7 @@ def _mla_decode_fp8mma_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
                              xm_smem, ready, gready, empty, done, seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr,
                              qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos, CAUSAL, IS_SPLIT)),
          (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty, ready,
-                            empty, start // PAGE, n_tiles, STAGES, True, False, 2, BT_EARLY)),
+                            empty, start // PAGE, n_tiles, STAGES, True, False, 2)),
          (_scale_partition, (sc_smem, gm_smem, ready, gready, seqlens_ptr, b, num_splits, H, S_Q, CAUSAL))],
         [4, 1, 1], [240, 24, 48])
 
@@ -397,6 +396,6 @@ def mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens, softmax_sca
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
         cache_seqlens if order is None else order, softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows,
         qc.stride(0), block_table.stride(0), po.stride(0), po.stride(1), CAUSAL=causal, IS_SPLIT=split,
-        ORDERED=order is not None, BT_EARLY=mla_decode_gluon.BT_EARLY, num_warps=4)
+        ORDERED=order is not None, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
