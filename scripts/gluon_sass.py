@@ -99,7 +99,8 @@ def main():
     ap.add_argument("--rows", type=int, default=16, help="narrow: BLOCK_R, 16 or 32")
     ap.add_argument("--ordered", type=int, default=0, help="the request axis through an order (ORDERED)")
     ap.add_argument("--store16", type=int, default=1, help="rows64: STORE_16B")
-    ap.add_argument("--bt-early", type=int, default=1, help="rows64, narrow: BT_EARLY (block-table reads before the stage waits)")
+    ap.add_argument("--bt-early", type=int, default=1,
+                    help="rows64, narrow: BT_EARLY (block-table reads before the stage waits)")
     a = ap.parse_args()
     num_warps = 4
     if a.kernel == "fp8mma":

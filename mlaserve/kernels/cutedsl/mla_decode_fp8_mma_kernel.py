@@ -26,7 +26,8 @@ Q's parts and the ring's fill are paid per split), hence mla_decode.CONFIG.fp8_m
 72). Nsight Compute at b128 h16 8k: 82 M instructions a call (the tile kernel 86 M), 476 k shared bank conflicts
 (2067 k). Then (NOTES 71) P's parts through f16x2 and stored as 2-byte key pairs, and O^T's rescale skipped where
 no maximum moved: ~13% fewer instructions a page, b128 h16 s_k 8k / 32k 200 / 702 us against 210 / 759 (1.05x /
-1.08x).
+1.08x). Then (NOTES 75) Q read and O stored in wide pieces (mla_decode.FP8_MMA_VEC_IO) and each stage refilled
+right after its last V^T read (FP8_MMA_EARLY_REFILL): 1.003-1.02x and 1.001-1.006x.
 
 A thread (lane = 4 q + c of warp w) holds S^T rows (keys) r = 16 w + q and r + 8. V^T's fragments put dims
 2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (the order _v_dim undoes in the store) and, within each
