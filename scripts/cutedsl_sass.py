@@ -52,14 +52,16 @@ def _op(text: str) -> str:
 
 
 def longest_loop(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The instructions between the target of the longest backward branch and the branch."""
+    """The instructions between the target of the longest backward branch and the branch, leaving out spans with an
+    EXIT or RET in them (the slow paths ptxas puts after the kernel's end jump back into it; they are no loops)."""
     at = {a: i for i, (a, _) in enumerate(instrs)}
     best = []
     for i, (a, text) in enumerate(instrs):
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
             body = instrs[at[int(m.group(1), 16)]:i + 1]
-            if len(body) > len(best):
+            if len(body) > len(best) and not any(_op(t) in ("EXIT", "RET") or _op(t).startswith("RET.")
+                                                 for _, t in body):
                 best = body
     return best
 
