@@ -446,11 +446,9 @@ class MLADecodeFP8MmaSm90:
                             d = 64 * m + _v_dim(tOcO[i][0])
                             if r < rows:
                                 f = inv_l[col_slot(i, N)]
-                                at = cutlass.Int64((row0 + r) * D_V + d)
-                                if const_expr(self.is_split):
-                                    _st_global_v2_f32(out_base + at * 4, acc_o[m][i] * f, acc_o[m][i + 2] * f)
-                                else:
-                                    _st_global_bf16x2(out_base + at * 2, acc_o[m][i] * f, acc_o[m][i + 2] * f)
+                                at = cutlass.Int64((row0 + r) * D_V + d) * (4 if self.is_split else 2)
+                                _st_global_pair(out_base + at, acc_o[m][i] * f, acc_o[m][i + 2] * f,
+                                                bf16=not self.is_split)
             else:
                 for m in cutlass.range_constexpr(M_TILES):
                     for i in cutlass.range_constexpr(vals):
@@ -589,12 +587,12 @@ def _store_q_parts_16b(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: I
         chunk = ((part // 2) ^ (r % 8)) * 16 + 8 * (part % 2) + 4096 * j
         hi_addr = q8_base + (r // 8) * 1024 + (r % 8) * 128 + chunk
         lo_addr = q8_base + ((N + r) // 8) * 1024 + (r % 8) * 128 + chunk    # row N + r: (N + r) % 8 is r % 8
-        _st_shared_v2_b32(hi_addr, _prmt(hl[0], hl[1], 0x5410), _prmt(hl[2], hl[3], 0x5410))
-        _st_shared_v2_b32(lo_addr, _prmt(hl[0], hl[1], 0x7632), _prmt(hl[2], hl[3], 0x7632))
+        _st_shared_words(hi_addr, [_prmt(hl[0], hl[1], 0x5410), _prmt(hl[2], hl[3], 0x5410)])
+        _st_shared_words(lo_addr, [_prmt(hl[0], hl[1], 0x7632), _prmt(hl[2], hl[3], 0x7632)])
     if part == 0:
         sInv[r] = 1.0 / scale
     if part < D_PE // 8:
-        _st_shared_v4_b32(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16,
+        _st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16,
                           [pe[0], pe[1], pe[2], pe[3]])
 
 
@@ -688,32 +686,20 @@ def _bf16x2_to_f32(w: Int32, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
-def _st_shared_v2_b32(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(a).ir_value(loc=loc, ip=ip),
-                           Int32(b).ir_value(loc=loc, ip=ip)],
-                    "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r",
+def _st_shared_words(addr: Int32, words: list, *, loc=None, ip=None) -> None:
+    """2 or 4 words as one 8- or 16-byte shared-memory store at `addr`."""
+    n = len(words)
+    regs = ", ".join(f"${i + 1}" for i in range(n))
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), *(Int32(w).ir_value(loc=loc, ip=ip) for w in words)],
+                    f"st.shared.v{n}.b32 [$0], {{{regs}}};", ",".join("r" * (n + 1)),
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
-def _st_shared_v4_b32(addr: Int32, v: list, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), *(Int32(x).ir_value(loc=loc, ip=ip) for x in v)],
-                    "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _st_global_bf16x2(addr: cutlass.Int64, lo: Float32, hi: Float32, *, loc=None, ip=None) -> None:
-    """(lo, hi) rounded to bf16, one 4-byte store at `addr` (lo first)."""
-    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip),
-                           Float32(hi).ir_value(loc=loc, ip=ip)],
-                    "{\n.reg .b32 t;\ncvt.rn.bf16x2.f32 t, $2, $1;\nst.global.b32 [$0], t;\n}\n", "l,f,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _st_global_v2_f32(addr: cutlass.Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+def _st_global_pair(addr: cutlass.Int64, a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> None:
+    """(a, b) at `addr`, a first: rounded to a bf16 pair (one 4-byte store) or as two fp32 (one 8-byte store)."""
+    store = ("{\n.reg .b32 t;\ncvt.rn.bf16x2.f32 t, $2, $1;\nst.global.b32 [$0], t;\n}\n" if bf16
+             else "st.global.v2.f32 [$0], {$1, $2};")
     llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
-                           Float32(b).ir_value(loc=loc, ip=ip)],
-                    "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
+                           Float32(b).ir_value(loc=loc, ip=ip)], store, "l,f,f",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
