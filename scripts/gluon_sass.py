@@ -4,6 +4,7 @@ shared memory: a kernel change is checked for what ptxas made of it before devic
     python scripts/gluon_sass.py fp8mma [--causal 0|1] [--split 0|1] [--out DIR] [--module VARIANT]
     python scripts/gluon_sass.py narrow [--fp8 0|1] [--rows 16|32] ...      # mla_decode_gluon_narrow.py
     python scripts/gluon_sass.py rows64 [--fp8 0|1] [--store16 0|1] ...    # mla_decode_gluon.py
+    python scripts/gluon_sass.py seesaw [--split 0|1] ...                  # mla_decode_gluon_seesaw.py
 """
 
 import argparse
@@ -88,9 +89,24 @@ def rows64(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon", fp8
                                              "BT_EARLY": bt_early}
 
 
+def seesaw(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_seesaw", ordered=0, bt_early=1):
+    import importlib
+    m = importlib.import_module(module)
+    flat = torch.zeros(64 * 4, 576, dtype=torch.bfloat16)
+    d = mangle_type(TensorDescriptor.from_tensor(flat, [64, 64], gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=16, rank=2)))
+    sig = {"q_desc": d, "kv_desc": d, "bt_ptr": "*i32", "seqlens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+           "po_ptr": "*fp32", "pl_ptr": "*fp32", "order_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32",
+           "H": "i32", "S_Q": "i32", "ROWS": "i32", "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32",
+           "CAUSAL": "constexpr", "IS_SPLIT": "constexpr", "DTYPE": "constexpr", "ORDERED": "constexpr",
+           "BT_EARLY": "constexpr"}
+    return m._mla_decode_seesaw_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "DTYPE": gl.bfloat16,
+                                              "ORDERED": ordered, "BT_EARLY": bt_early}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["fp8mma", "narrow", "rows64"])
+    ap.add_argument("kernel", choices=["fp8mma", "narrow", "rows64", "seesaw"])
     ap.add_argument("--causal", type=int, default=1)
     ap.add_argument("--split", type=int, default=0)
     ap.add_argument("--out", default="/tmp/gluon_sass")
@@ -110,6 +126,9 @@ def main():
                                  "--fp8" in sys.argv else 0, ordered=a.ordered, store16=a.store16,
                                  bt_early=a.bt_early)
         num_warps = 8
+    elif a.kernel == "seesaw":
+        fn, sig, consts = seesaw(a.causal, a.split, *([a.module] if a.module else []), ordered=a.ordered,
+                                 bt_early=a.bt_early)
     else:
         fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows,
                                  ordered=a.ordered, bt_early=a.bt_early)

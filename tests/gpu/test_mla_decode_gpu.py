@@ -163,6 +163,8 @@ def test_gluon_16_byte_stores_equal_accumulator_layout_stores(monkeypatch, b, s_
     (STORE_16B) gives the same bits as stores from the accumulator's layout (80 rows: a partial second block),
     over lengths of 1-1500 keys."""
     from mlaserve.kernels.triton import mla_decode_gluon as mg
+    from mlaserve.kernels.triton import mla_decode_gluon_seesaw
+    monkeypatch.setattr(mla_decode_gluon_seesaw, "SEESAW", False)    # bf16: the serial kernel, whose stores these are
     lens = [1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = _case(lens, 64, s_q, h, kv_kind, seed=b + h)
 
@@ -173,6 +175,23 @@ def test_gluon_16_byte_stores_equal_accumulator_layout_stores(monkeypatch, b, s_
     monkeypatch.setattr(mg, "STORE_16B", False)
     out2, lse2 = call()
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    _check(out, lse, q, kv, table, seqlens, list(range(b)))
+
+
+@pytest.mark.parametrize("seesaw", [True, False])
+@pytest.mark.parametrize("b, s_q, h, num_splits", [(5, 1, 64, 1), (3, 2, 64, 3), (4, 3, 20, 1), (2, 1, 128, 5)])
+def test_gluon_64_row_kernels_bf16(monkeypatch, seesaw, b, s_q, h, num_splits):
+    """bf16 KV in 64-row blocks through the seesaw kernel (mla_decode_gluon_seesaw.py, the default) and through the
+    serial one (mla_decode_gluon.py): odd and even page counts a split (the last page the first or the second
+    consumer's), a one-page and an empty request, partial last pages, padded rows (h 20 s_q 3), splits."""
+    from mlaserve.kernels.triton import mla_decode_gluon_seesaw
+    monkeypatch.setattr(mla_decode_gluon_seesaw, "SEESAW", seesaw)
+    lens = [3000 + 64 * i + 17 * (i % 2) for i in range(b)]
+    if b > 2:
+        lens[1], lens[2] = 40, 0
+    q, kv, table, seqlens = _case(lens, 64, s_q, h, "bf16", seed=b * 31 + h)
+    out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton",
+                              num_splits=num_splits)
     _check(out, lse, q, kv, table, seqlens, list(range(b)))
 
 

@@ -1,7 +1,9 @@
 """The dense MLA decode in Gluon, Triton's layout-explicit dialect (triton.experimental.gluon, Triton 3.6), for
-Hopper, in 64-row blocks: what `ops.mla_decode(..., backend="triton")` runs for bf16 and FP8 KV in page-64 caches
-when the plan says so (MLADecodeConfig.gluon with 64-row blocks, the default from 33 query rows per request up);
-elsewhere mla_decode.py runs the `tl` kernel with the same plan and grid.
+Hopper, in 64-row blocks: what `ops.mla_decode(..., backend="triton")` runs for FP8 KV in page-64 caches when the
+plan says so (MLADecodeConfig.gluon with 64-row blocks, the default from 33 query rows per request up), and for
+bf16 KV where mla_decode_gluon_seesaw.SEESAW is off (the seesaw kernel there measured 1.07-1.19x this one's serial
+page chain on the H200, bench/NOTES.md item 80); elsewhere mla_decode.py runs the `tl` kernel with the same plan
+and grid.
 
 Why: the `tl` kernel tops out at 270-300 TFLOP/s at h 128 (bench/NOTES.md items 21, 23, 25): Triton
 chooses where tiles live, loads KV with cp.async per thread and serializes the MMAs with the softmax.

@@ -63,7 +63,8 @@ class MLADecodeConfig:
 #   pages a split (b 1, b 4 at s_k 32768) its fixed cost loses (0.80x / 1.00x), so they keep the dequantizing
 #   warpgroup (scripts/fp8mma_check.py, bench/NOTES.md items 48-49);
 # - from 33 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.24-1.64x the tl kernel
-#   at h 64/128 (scripts/gluon_check.py);
+#   at h 64/128 (scripts/gluon_check.py), as the seesaw of mla_decode_gluon_seesaw.py (two warpgroups on
+#   alternate pages, 1.07-1.19x the serial page chain; bench/NOTES.md item 80);
 # - from 33 rows, FP8 KV: the 64-row Gluon kernel too, each page dequantized into one bf16 tile before S
 #   (bench/NOTES.md item 42); the tl kernel ran FP8 there at 0.44x its bf16.
 _ROW_BUCKETS = (16, 32, 64, 128, 256)
