@@ -33,6 +33,7 @@ switches, read at launch (so captured with each graph):
   GLUON_STORE_16B   triton: the 64-row Gluon kernel's O converted to 16 bytes a thread before the stores
   GLUON_SEESAW      triton: bf16 64-row blocks through the seesaw kernel (mla_decode_gluon_seesaw.py) against
                     mla_decode_gluon.py's serial page chain
+  SEESAW_STORE_16B  triton: the seesaw kernel's O halves stored 16 bytes a thread through a ring stage
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
@@ -109,6 +110,7 @@ SWITCHES = {
     "GLUON_BT_EARLY": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "BT_EARLY")),
     "GLUON_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "STORE_16B")),
     "GLUON_SEESAW": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "SEESAW")),
+    "SEESAW_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "STORE_16B")),
 }
 
 

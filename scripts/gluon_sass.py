@@ -89,7 +89,8 @@ def rows64(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon", fp8
                                              "BT_EARLY": bt_early}
 
 
-def seesaw(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_seesaw", ordered=0, bt_early=1):
+def seesaw(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_seesaw", ordered=0, bt_early=1,
+           store16=1):
     import importlib
     m = importlib.import_module(module)
     flat = torch.zeros(64 * 4, 576, dtype=torch.bfloat16)
@@ -99,9 +100,9 @@ def seesaw(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_seesa
            "po_ptr": "*fp32", "pl_ptr": "*fp32", "order_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32",
            "H": "i32", "S_Q": "i32", "ROWS": "i32", "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32",
            "CAUSAL": "constexpr", "IS_SPLIT": "constexpr", "DTYPE": "constexpr", "ORDERED": "constexpr",
-           "BT_EARLY": "constexpr"}
+           "BT_EARLY": "constexpr", "STORE_16B": "constexpr"}
     return m._mla_decode_seesaw_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split, "DTYPE": gl.bfloat16,
-                                              "ORDERED": ordered, "BT_EARLY": bt_early}
+                                              "ORDERED": ordered, "BT_EARLY": bt_early, "STORE_16B": store16}
 
 
 def main():
@@ -114,7 +115,7 @@ def main():
     ap.add_argument("--fp8", type=int, default=1, help="narrow: FP8 KV (else bf16)")
     ap.add_argument("--rows", type=int, default=16, help="narrow: BLOCK_R, 16 or 32")
     ap.add_argument("--ordered", type=int, default=0, help="the request axis through an order (ORDERED)")
-    ap.add_argument("--store16", type=int, default=1, help="rows64: STORE_16B")
+    ap.add_argument("--store16", type=int, default=1, help="rows64, seesaw: STORE_16B")
     ap.add_argument("--bt-early", type=int, default=1,
                     help="rows64, narrow: BT_EARLY (block-table reads before the stage waits)")
     a = ap.parse_args()
@@ -128,7 +129,7 @@ def main():
         num_warps = 8
     elif a.kernel == "seesaw":
         fn, sig, consts = seesaw(a.causal, a.split, *([a.module] if a.module else []), ordered=a.ordered,
-                                 bt_early=a.bt_early)
+                                 bt_early=a.bt_early, store16=a.store16)
     else:
         fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows,
                                  ordered=a.ordered, bt_early=a.bt_early)

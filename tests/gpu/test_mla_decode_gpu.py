@@ -156,6 +156,27 @@ def test_matches_reference(b, s_q, s_k, h, kv_kind, num_splits):
     _check(out, lse, q, kv, table, seqlens, rows)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gluon_seesaw_16_byte_stores_equal_accumulator_layout_stores(monkeypatch, num_splits):
+    """The seesaw kernel's O halves (or fp32 split partials) stored 16 bytes a thread through a ring stage
+    (STORE_16B) give the same bits as stores from the accumulator's layout: 80 rows (a partial second block),
+    lengths of 1-1500 keys, an empty request."""
+    from mlaserve.kernels.triton import mla_decode_gluon_seesaw as ms
+    lens = [1 + (389 * i) % 1500 for i in range(6)]
+    lens[2] = 0
+    q, kv, table, seqlens = _case(lens, 64, 2, 40, "bf16", seed=num_splits)
+
+    def call():
+        return ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton",
+                              num_splits=num_splits)
+    monkeypatch.setattr(ms, "STORE_16B", True)
+    out, lse = call()
+    monkeypatch.setattr(ms, "STORE_16B", False)
+    out2, lse2 = call()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    _check(out, lse, q, kv, table, seqlens, list(range(len(lens))))
+
+
 @pytest.mark.parametrize("b, s_q, h, kv_kind, num_splits", [
     (8, 1, 128, "bf16", 1), (6, 2, 40, "bf16", 1), (4, 1, 128, "bf16", 4), (8, 2, 64, "fp8", 1), (3, 1, 80, "fp8", 3)])
 def test_gluon_16_byte_stores_equal_accumulator_layout_stores(monkeypatch, b, s_q, h, kv_kind, num_splits):

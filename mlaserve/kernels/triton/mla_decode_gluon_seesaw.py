@@ -45,71 +45,37 @@ STAGES = gl.constexpr(2)
 # the triton backend's bf16 64-row decode through this kernel (False: mla_decode_gluon.py's serial one; for A/B
 # runs with scripts/decode_ab.py --switch GLUON_SEESAW)
 SEESAW = True
+# each consumer's half of O (not the fp32 split partials: 0.96-0.97x at b 1/4 h 128) stored 16 bytes a thread
+# after a pass through its ring stage, instead of from the accumulator's layout (1.00-1.03x at b 128, h 64/128)
+STORE_16B = True
 
 
 @gluon.jit
 def _consumer(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, l_smem, q_bar, ready, empty, p_full, l_bar,
               seqlens_ptr, qk_scale, b, split, num_splits, tile, H, S_Q, ROWS, out_ptr, lse_ptr, po_ptr, pl_ptr,
               stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, DTYPE: gl.constexpr,
-              W: gl.constexpr):
+              STORE_16B: gl.constexpr, W: gl.constexpr):
     """Consumer warpgroup W: pages W, W + 2, ... of the split (steps a-f of the module docstring), then its half of
     O normalized and stored (consumer 0 also stores lse)."""
     L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, L_S)
-    COL_S: gl.constexpr = gl.SliceLayout(0, L_S)
     ROW_O: gl.constexpr = gl.SliceLayout(1, L_O)
-    ZL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     m_cur = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)     # the max O and l are relative to
     l_w = gl.zeros([BLOCK_M], gl.float32, ROW_S)                       # row sums of this consumer's pages' P
     acc = gl.zeros([BLOCK_M, HALF_V], gl.float32, L_O)
     seqlen, start, n_tiles, vis, min_vis = split_and_visibility(
         seqlens_ptr, b, split, num_splits, tile * BLOCK_M + gl.arange(0, BLOCK_M, ROW_S), H, S_Q, CAUSAL)
     mbarrier.wait(q_bar, 0)
-    for t in range(W, n_tiles, 2):
-        if t > 0:
-            acc, l_w, m_cur = _other_page(kv_smem, p_smem, m_smem, empty, p_full, acc, l_w, m_cur, t - 1, L_O, ROW_S,
-                                          W)
-        # -- c. S of page t --
-        s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        # 0, but not to the compiler: the MMAs' shared-memory descriptors are then formed in the loop instead of
-        # being hoisted out of it into registers held through the loop (which spilled)
-        z = t >> 30
-        kv = kv_smem.index(s + z)
-        sc = warpgroup_mma(q_smem.index(z), kv.permute((1, 0)), gl.zeros([BLOCK_M, PAGE], gl.float32, L_S),
-                           use_acc=False, is_async=True)
-        sc = warpgroup_mma(qpe_smem.index(z), kpe_smem.index(s + z).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(0, deps=[sc])
-        # -- d. softmax against m(t - 1) --
-        tok0 = start + t * PAGE
-        sc = sc * qk_scale
-        if tok0 + PAGE > min_vis:
-            keys = tok0 + gl.arange(0, PAGE, COL_S)
-            sc = gl.where(keys[None, :] < vis[:, None], sc, float("-inf"))
-        m_new = gl.maximum(m_cur, gl.max(sc, 1))
-        # a row that has seen no key yet keeps m = -inf: exponentiate against 0 so that it stays 0, not NaN
-        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_cur - m_base)
-        p = gl.exp2(sc - m_base[:, None])
-        l_w = l_w * alpha + gl.sum(p, 1)
-        m_cur = m_new
-        # -- e. P(t), m(t) (and zeroed V rows past the request's end) to the other consumer --
-        if tok0 + PAGE > seqlen:
-            zero_rows_from(kv, seqlen - tok0, 0, D_V, ZL)
-        pb = p.to(DTYPE)
-        p_smem.index(0).store(pb)
-        m_smem.store(m_new)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_full)
-        # -- f. O half += P(t) V_t --
-        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(pb, A_P), kv.slice(W * HALF_V, HALF_V, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(s))
+    if W == 0:
+        if n_tiles > 0:
+            acc, l_w, m_cur = _own_page(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, ready, empty, p_full,
+                                        acc, l_w, m_cur, 0, start, seqlen, vis, min_vis, qk_scale, L_S, L_O, DTYPE,
+                                        W)
+    for t in range(2 - W, n_tiles, 2):
+        acc, l_w, m_cur = _other_page(kv_smem, p_smem, m_smem, empty, p_full, acc, l_w, m_cur, t - 1, L_O, ROW_S, W)
+        acc, l_w, m_cur = _own_page(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, ready, empty, p_full, acc,
+                                    l_w, m_cur, t, start, seqlen, vis, min_vis, qk_scale, L_S, L_O, DTYPE, W)
     if n_tiles > 0:
         if (n_tiles - 1) % 2 != W:
             acc, l_w, m_cur = _other_page(kv_smem, p_smem, m_smem, empty, p_full, acc, l_w, m_cur, n_tiles - 1,
@@ -123,19 +89,88 @@ def _consumer(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, l_smem, q_bar
     inv_l, lse = finish_rows(m_cur, l_i, ROW_O)
     o = acc * inv_l[:, None]
     rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, ROW_O)
-    cols = W * HALF_V + gl.arange(0, HALF_V, gl.SliceLayout(0, L_O))
     row_ok = rows < ROWS
-    mask = row_ok[:, None] & (cols < D_V)[None, :]
     if IS_SPLIT:
-        base = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos
-        gl.store(base + rows[:, None] * D_V + cols[None, :], o, mask=mask)
+        _store_half(o, kv_smem.index(W), po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos, tile * BLOCK_M,
+                    ROWS, L_O, False, W)
         if W == 0:
             gl.store(pl_ptr + b * (num_splits * ROWS) + split * ROWS + rows, lse, mask=row_ok)
     else:
-        base = out_ptr + b.to(gl.int64) * ROWS * D_V
-        gl.store(base + rows[:, None] * D_V + cols[None, :], o.to(DTYPE), mask=mask)
+        _store_half(o.to(DTYPE), kv_smem.index(W), out_ptr + b.to(gl.int64) * ROWS * D_V, tile * BLOCK_M, ROWS, L_O,
+                    STORE_16B, W)
         if W == 0:
             gl.store(lse_ptr + b * ROWS + rows, lse, mask=row_ok)
+
+
+@gluon.jit
+def _store_half(o, stage, base, row0, ROWS, L_O: gl.constexpr, STORE_16B: gl.constexpr, W: gl.constexpr):
+    """Consumer W's half of O ([64, 256]: out's dtype or fp32) into base + row * 512 + 256 W + column, rows past ROWS
+    left out. STORE_16B: through ring stage W (free once both consumers' last P V is done and the row sums are
+    exchanged) into a layout of 16 contiguous bytes a thread, a warp along a row, so that every store is 16 bytes;
+    otherwise from the accumulator's layout (2 adjacent values a thread and row)."""
+    if STORE_16B:
+        VEC: gl.constexpr = 128 // o.dtype.primitive_bitwidth
+        L: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
+        # 16-byte units XORed with row % 8: the accumulator layout's 8 rows a store reach 8 different bank groups
+        buf = stage._reinterpret(o.dtype, [BLOCK_M, HALF_V], gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0]))
+        buf.store(o)
+        gl.thread_barrier()
+        o = buf.load(L)
+    else:
+        L: gl.constexpr = L_O
+    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, L))
+    cols = W * HALF_V + gl.arange(0, HALF_V, gl.SliceLayout(0, L))
+    mask = (rows < ROWS)[:, None] & (cols < D_V)[None, :]
+    gl.store(base + rows[:, None] * D_V + cols[None, :], o, mask=mask)
+
+
+@gluon.jit
+def _own_page(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, ready, empty, p_full, acc, l_w, m_cur, t, start,
+              seqlen, vis, min_vis, qk_scale, L_S: gl.constexpr, L_O: gl.constexpr, DTYPE: gl.constexpr,
+              W: gl.constexpr):
+    """Steps c-f for page t, this consumer's own. -> (acc, l_w, m(t))."""
+    COL_S: gl.constexpr = gl.SliceLayout(0, L_S)
+    ZL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    # -- c. S of page t --
+    s = t % STAGES
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    # 0, but not to the compiler: the MMAs' shared-memory descriptors are then formed here instead of being hoisted
+    # out of the loop into registers held through it (which spilled)
+    z = t >> 30
+    kv = kv_smem.index(s + z)
+    sc = warpgroup_mma(q_smem.index(z), kv.permute((1, 0)), gl.zeros([BLOCK_M, PAGE], gl.float32, L_S),
+                       use_acc=False, is_async=True)
+    sc = warpgroup_mma(qpe_smem.index(z), kpe_smem.index(s + z).permute((1, 0)), sc, is_async=True)
+    sc = warpgroup_mma_wait(0, deps=[sc])
+    # -- d. softmax against m(t - 1) --
+    tok0 = start + t * PAGE
+    sc = sc * qk_scale
+    if tok0 + PAGE > min_vis:
+        keys = tok0 + gl.arange(0, PAGE, COL_S)
+        sc = gl.where(keys[None, :] < vis[:, None], sc, float("-inf"))
+    m_new = gl.maximum(m_cur, gl.max(sc, 1))
+    # a row that has seen no key yet keeps m = -inf: exponentiate against 0 so that it stays 0, not NaN
+    m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_cur - m_base)
+    p = gl.exp2(sc - m_base[:, None])
+    l_w = l_w * alpha + gl.sum(p, 1)
+    # -- e. P(t), m(t) (and zeroed V rows past the request's end) to the other consumer --
+    if tok0 + PAGE > seqlen:
+        zero_rows_from(kv, seqlen - tok0, 0, D_V, ZL)
+    pb = p.to(DTYPE)
+    p_smem.index(0).store(pb)
+    m_smem.store(m_new)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(p_full)
+    # -- f. O half += P(t) V_t --
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, L_O))[:, None]
+    acc = warpgroup_mma(gl.convert_layout(pb, gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)),
+                        kv.slice(W * HALF_V, HALF_V, dim=1), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s))
+    return acc, l_w, m_new
 
 
 @gluon.jit
@@ -149,7 +184,7 @@ def _other_page(kv_smem, p_smem, m_smem, empty, p_full, acc, l_w, m_cur, u, L_O:
     alpha = gl.exp2(m_cur - m_base)
     l_w = l_w * alpha
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, L_O))[:, None]
-    z = u >> 30         # 0: descriptors formed here (see _consumer)
+    z = u >> 30         # 0: descriptors formed here (see _own_page)
     acc = warpgroup_mma(p_smem.index(z), kv_smem.index(u % STAGES + z).slice(W * HALF_V, HALF_V, dim=1), acc,
                         is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -162,18 +197,18 @@ def _other_page(kv_smem, p_smem, m_smem, empty, p_full, acc, l_w, m_cur, u, L_O:
 def _second_consumer(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, l_smem, q_bar, ready, empty, p_full, l_bar,
                      seqlens_ptr, qk_scale, b, split, num_splits, tile, H, S_Q, ROWS, out_ptr, lse_ptr, po_ptr,
                      pl_ptr, stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr,
-                     DTYPE: gl.constexpr):
+                     DTYPE: gl.constexpr, STORE_16B: gl.constexpr):
     """The worker partition's entry: _consumer as warpgroup 1."""
     _consumer(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, l_smem, q_bar, ready, empty, p_full, l_bar,
               seqlens_ptr, qk_scale, b, split, num_splits, tile, H, S_Q, ROWS, out_ptr, lse_ptr, po_ptr, pl_ptr,
-              stride_pob, stride_pos, CAUSAL, IS_SPLIT, DTYPE, 1)
+              stride_pob, stride_pos, CAUSAL, IS_SPLIT, DTYPE, STORE_16B, 1)
 
 
 @gluon.jit
 def _mla_decode_seesaw_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, order_ptr,
                               qk_scale, num_splits, H, S_Q, ROWS, stride_btb, stride_pob, stride_pos,
                               CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, DTYPE: gl.constexpr,
-                              ORDERED: gl.constexpr, BT_EARLY: gl.constexpr):
+                              ORDERED: gl.constexpr, BT_EARLY: gl.constexpr, STORE_16B: gl.constexpr = False):
     """Grid (b * cdiv(ROWS, 64), num_splits); two consumer warpgroups + the producer warp. q_desc: q as
     [b * ROWS, 576] (row = token j * H + head), kv_desc: the cache as [pages * 64, 576], boxes [64, 64]. out
     [b * ROWS, 512], lse [b * ROWS]; with splits po [b, splits, ROWS, 512] / pl [b, splits, ROWS] fp32 instead.
@@ -216,10 +251,10 @@ def _mla_decode_seesaw_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse
     gl.warp_specialize(
         [(_consumer, (q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, l_smem, q_bar, ready, empty, p_full, l_bar,
                       seqlens_ptr, qk_scale, b, split, num_splits, tile, H, S_Q, ROWS, out_ptr, lse_ptr, po_ptr,
-                      pl_ptr, stride_pob, stride_pos, CAUSAL, IS_SPLIT, DTYPE, 0)),
+                      pl_ptr, stride_pob, stride_pos, CAUSAL, IS_SPLIT, DTYPE, STORE_16B, 0)),
          (_second_consumer, (q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, l_smem, q_bar, ready, empty, p_full,
                              l_bar, seqlens_ptr, qk_scale, b, split, num_splits, tile, H, S_Q, ROWS, out_ptr, lse_ptr,
-                             po_ptr, pl_ptr, stride_pob, stride_pos, CAUSAL, IS_SPLIT, DTYPE)),
+                             po_ptr, pl_ptr, stride_pob, stride_pos, CAUSAL, IS_SPLIT, DTYPE, STORE_16B)),
          (_load_partition, (q_desc, kv_desc, kv_desc, kv_desc, bt_row, q_smem.index(0), qpe_smem.index(0), kv_smem,
                             kv_smem, kpe_smem,
                             q_bar, ready, empty, q_row0, start // PAGE, n_tiles, STAGES, False, BT_EARLY))],
@@ -256,6 +291,6 @@ def mla_decode_gluon_seesaw(q, kv_cache, block_table, cache_seqlens, softmax_sca
         q_desc, kv_desc, block_table, cache_seqlens, out, lse, po, pl, cache_seqlens if order is None else order,
         softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows, block_table.stride(0), po.stride(0),
         po.stride(1), CAUSAL=causal, IS_SPLIT=split, DTYPE=gl.bfloat16, ORDERED=order is not None,
-        BT_EARLY=mla_decode_gluon.BT_EARLY, num_warps=4)
+        BT_EARLY=mla_decode_gluon.BT_EARLY, STORE_16B=STORE_16B, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
