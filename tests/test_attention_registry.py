@@ -47,8 +47,9 @@ def _cfg(heads):
 
 @pytest.mark.parametrize("heads,extend,want", [
     (16, [1, 1], "triton"),        # up to 16 rows: Triton level with both peers or ahead, the primary keeps them
-    (32, [1, 1], "cutedsl_mla"),   # 17-32 rows: FlashInfer's rule starts at 33, the CuTe DSL kernel's at 17
-    (64, [1, 1], "flashinfer"),    # 33+ rows in DECODE: FlashInfer first in order of preference
+    (32, [1, 1], "cutedsl_mla"),   # 17-64 rows: FlashInfer's rule starts at 65, the CuTe DSL kernel's at 17
+    (64, [1, 1], "cutedsl_mla"),
+    (80, [1, 1], "flashinfer"),    # 65+ rows in DECODE: FlashInfer first in order of preference
     (128, [1], "flashinfer"),
     (128, [5, 3], "triton"),       # EXTEND steps stay with the primary
 ])

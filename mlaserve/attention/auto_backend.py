@@ -14,13 +14,14 @@ h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-202
 - against `cutedsl_mla`, Triton's keys-on-M kernel wins up to 16 rows: level at b128 h16 bf16 (0.99-1.00x),
   ahead with FP8 KV (1.04-1.06x at b128, 1.06-1.08x at b 1/16) and at b1 h16 bf16 (35.3 vs 31.0 us); from 17
   rows the CuTe DSL kernel is ahead (h32: 1.07-1.13x bf16, 1.18-1.20x FP8; h64/h128: 1.10-1.25x bf16);
-- against `triton` (a primary only where the CuTe DSL cannot run), FlashInfer wins from 64 rows on (Triton at
-  0.92-1.02x at h 64, 0.79-0.91x at h 128); up to 32 rows Triton keeps the steps: 1.03-1.09x FlashInfer at
-  h 16 (b 128; 1.01-1.70x at b 16/4/1) and 0.96-1.04x at h 32 (behind by 4% at s_k 4k-8k, ahead at 16k-32k);
-  the CuTe DSL kernel would take the steps from 17 rows. With variable lengths (uniform in [s/2, 3s/2]) and
-  Triton's grids taking requests longest first, Triton is ahead at 128 rows (1.04-1.12x) and still behind at 64
-  (0.93-0.99x) (h200-20261201-8f6ce4c-dense.json): the rule follows the fixed-length shapes, where FlashInfer
-  leads by 15-25% at 128 rows; which regime a step is in would need its lengths' spread at plan time.
+- against `triton` (a primary only where the CuTe DSL cannot run), FlashInfer wins from 65 rows on, by less
+  than before Triton's 64-row kernel became a seesaw (h200-20261201-e1ffa47-dirty-dense-cutedsl-triton-
+  flashinfer.json, bench/NOTES.md item 80): Triton at 0.96-0.97x at h 128 s_q 1, 0.94-1.00x at 256 rows and
+  0.95-0.98x at h 64 s_q 2 (128 rows); up to 64 rows Triton keeps the steps: 1.04-1.11x FlashInfer at h 16
+  (b 128; 1.03-1.95x at b 16/4/1), 0.94-0.97x at h 32 (32 rows) and 0.99-1.09x at h 64 (64 rows: 1.03-1.12x at
+  h 32 s_q 2); the CuTe DSL kernel would take the steps from 17 rows. With variable lengths (uniform in [s/2,
+  3s/2]) and Triton's grids taking requests longest first, Triton is ahead at 64-256 rows (1.08-1.31x): the rule
+  follows the fixed-length shapes; which regime a step is in would need its lengths' spread at plan time.
 Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class DecodeRule:
 # primary name -> {peer name: rule}, from the measurements in the module docstring
 DECODE_RULES: dict[str, dict[str, DecodeRule]] = {
     "cutedsl_mla": {"triton": DecodeRule(min_rows=1, max_rows=16)},
-    "triton": {"flashinfer": DecodeRule(min_rows=33), "cutedsl_mla": DecodeRule(min_rows=17)},
+    "triton": {"flashinfer": DecodeRule(min_rows=65), "cutedsl_mla": DecodeRule(min_rows=17)},
 }
 
 
