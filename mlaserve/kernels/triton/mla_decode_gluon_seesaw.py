@@ -20,7 +20,14 @@ was waited for; m(t) likewise. Each consumer's row sums cover its own pages' P; 
 page's max and are added through shared memory, and each consumer stores its own half of O (the fp32 split
 partials with splits; mla_decode.combine_splits reduces them).
 
-Shared memory: Q [64, 576], two stages [64, 576], P [64, 64] (bf16): 229.9 KB of the 227 KB, as the serial kernel.
+Shared memory: Q [64, 576], two stages [64, 576], P [64, 64] (bf16), the maxima and row sums: 230544 bytes of the
+232448 a CTA may use, as the serial kernel. With two stages, page t + 1 loads only once page t - 1 is released by
+both consumers, so the order above keeps every release ahead of the next wait for a page: queueing S behind the
+other page's P V (0.91-1.02x) or issuing it before the wait for P(t - 1) (0.78-0.87x) measured slower.
+
+Measured on the H200 (bench/NOTES.md item 80): 1.07-1.19x the serial kernel (b128 h64 s_k 4k-32k, h128, s_q 2 h128,
+b1/b4 h128 at 32k); in the benchmark h64 s_q 1 at 3.80-3.97 TB/s (89-93% of the copy bandwidth) and h128 at 502-534
+TFLOP/s, 0.94-1.09x FlashInfer's fa3 kernel at fixed lengths, 1.08-1.31x at variable ones.
 """
 
 import torch
