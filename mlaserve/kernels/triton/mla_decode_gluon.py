@@ -174,15 +174,7 @@ def _compute_partition(q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem, kbuf, p_sme
         if KV_FP8:
             gl.thread_barrier()                   # both warpgroups are done with the stage (raw c_kv, k_pe)
             mbarrier.arrive(empty.index(s))
-        sc = sc * qk_scale
-        if tok0 + PAGE > min_vis:
-            keys = tok0 + gl.arange(0, PAGE, COL_S)
-            sc = gl.where(keys[None, :] < vis[:, None], sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        # a row that has seen no key yet keeps m = -inf: exponentiate against 0 so that it stays 0, not NaN
-        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_base)
-        p = gl.exp2(sc - m_base[:, None])
+        p, alpha, m_new = softmax_rows_on_m(sc * qk_scale, m_i, tok0, min_vis, vis, COL_S)
         l_acc = l_acc * alpha[:, None] + p
         m_i = m_new
         if not KV_FP8 and tok0 + PAGE > seqlen:
@@ -201,15 +193,47 @@ def _compute_partition(q_smem, qpe_smem, kv_smem, sc_smem, kpe_smem, kbuf, p_sme
 
 
 @gluon.jit
-def split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL: gl.constexpr):
-    """-> (request b's length, its split's first token, the split's pages, per row the keys it sees, the
-    fewest keys any row sees). Splits are whole pages, cdiv(cdiv(length, num_splits), 64) * 64 tokens each;
-    causal: new token j (rows j * H .. j * H + H - 1) sees 0 .. length - S_Q + j."""
+def softmax_rows_on_m(sc, m_i, tok0, min_vis, vis, COL_S: gl.constexpr):
+    """One page of the online softmax along S's columns (the keys; log2 units, scale applied): scores of keys a row
+    does not see (vis per row) masked where the page reaches past min_vis -> (P, the rows' rescale, new max)."""
+    if tok0 + PAGE > min_vis:
+        keys = tok0 + gl.arange(0, PAGE, COL_S)
+        sc = gl.where(keys[None, :] < vis[:, None], sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    # a row that has seen no key yet keeps m = -inf: exponentiate against 0 so that it stays 0, not NaN
+    m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_base)
+    return gl.exp2(sc - m_base[:, None]), alpha, m_new
+
+
+@gluon.jit
+def program_item(order_ptr, ROWS, ORDERED: gl.constexpr):
+    """-> (request, 64-row tile, split) of this program of a grid (b * cdiv(ROWS, 64), num_splits); ORDERED: the
+    request axis runs through order_ptr (work_order.grid_order: longest first)."""
+    tiles = gl.cdiv(ROWS, BLOCK_M)
+    b = gl.program_id(0) // tiles
+    if ORDERED:
+        b = gl.load(order_ptr + b)
+    return b, gl.program_id(0) % tiles, gl.program_id(1)
+
+
+@gluon.jit
+def split_pages(seqlens_ptr, b, split, num_splits):
+    """-> (request b's length, its split's first token, the split's pages). Splits are whole pages,
+    cdiv(cdiv(length, num_splits), 64) * 64 tokens each."""
     seqlen = gl.load(seqlens_ptr + b)
     split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), PAGE) * PAGE
     start = split * split_len
     end = gl.minimum(start + split_len, seqlen)
-    n_tiles = gl.maximum(gl.cdiv(end - start, PAGE), 0)
+    return seqlen, start, gl.maximum(gl.cdiv(end - start, PAGE), 0)
+
+
+@gluon.jit
+def split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q, CAUSAL: gl.constexpr):
+    """-> (request b's length, its split's first token, the split's pages, per row the keys it sees, the
+    fewest keys any row sees). Splits are whole pages, cdiv(cdiv(length, num_splits), 64) * 64 tokens each;
+    causal: new token j (rows j * H .. j * H + H - 1) sees 0 .. length - S_Q + j."""
+    seqlen, start, n_tiles = split_pages(seqlens_ptr, b, split, num_splits)
     if CAUSAL:
         vis_len = gl.minimum(seqlen - S_Q + 1 + rows // H, seqlen)
         min_vis = gl.maximum(seqlen - S_Q + 1, 0)
@@ -248,14 +272,8 @@ def _mla_decode_gluon_kernel(q_desc, kv_desc, sc_desc, kpe_desc, bt_ptr, seqlens
                                                        instr_shape=[16, 256, 16])
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    COL_O: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)
 
-    tiles = gl.cdiv(ROWS, BLOCK_M)
-    b = gl.program_id(0) // tiles
-    if ORDERED:
-        b = gl.load(order_ptr + b)
-    tile = gl.program_id(0) % tiles
-    split = gl.program_id(1)
+    b, tile, split = program_item(order_ptr, ROWS, ORDERED)
     rows = tile * BLOCK_M + gl.arange(0, BLOCK_M, ROW_O)
     seqlen, start, n_tiles, vis_len, min_vis = split_and_visibility(seqlens_ptr, b, split, num_splits, rows, H, S_Q,
                                                                     CAUSAL)

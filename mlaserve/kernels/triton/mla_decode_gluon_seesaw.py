@@ -37,8 +37,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mlaserve.kernels.triton.mla_decode_gluon import (_load_partition, finish_rows, split_and_visibility,
-                                                      zero_rows_from)
+from mlaserve.kernels.triton.mla_decode_gluon import (_load_partition, finish_rows, program_item, softmax_rows_on_m,
+                                                      split_and_visibility, split_pages, zero_rows_from)
 
 BLOCK_M = gl.constexpr(64)
 PAGE = gl.constexpr(64)
@@ -151,15 +151,7 @@ def _own_page(q_smem, qpe_smem, kv_smem, kpe_smem, p_smem, m_smem, ready, empty,
     sc = warpgroup_mma_wait(0, deps=[sc])
     # -- d. softmax against m(t - 1) --
     tok0 = start + t * PAGE
-    sc = sc * qk_scale
-    if tok0 + PAGE > min_vis:
-        keys = tok0 + gl.arange(0, PAGE, COL_S)
-        sc = gl.where(keys[None, :] < vis[:, None], sc, float("-inf"))
-    m_new = gl.maximum(m_cur, gl.max(sc, 1))
-    # a row that has seen no key yet keeps m = -inf: exponentiate against 0 so that it stays 0, not NaN
-    m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_cur - m_base)
-    p = gl.exp2(sc - m_base[:, None])
+    p, alpha, m_new = softmax_rows_on_m(sc * qk_scale, m_cur, tok0, min_vis, vis, COL_S)
     l_w = l_w * alpha + gl.sum(p, 1)
     # -- e. P(t), m(t) (and zeroed V rows past the request's end) to the other consumer --
     if tok0 + PAGE > seqlen:
@@ -222,16 +214,8 @@ def _mla_decode_seesaw_kernel(q_desc, kv_desc, bt_ptr, seqlens_ptr, out_ptr, lse
     ORDERED: the request axis runs through order_ptr (work_order.grid_order: longest first)."""
     SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    tiles = gl.cdiv(ROWS, BLOCK_M)
-    b = gl.program_id(0) // tiles
-    if ORDERED:
-        b = gl.load(order_ptr + b)
-    tile = gl.program_id(0) % tiles
-    split = gl.program_id(1)
-    seqlen = gl.load(seqlens_ptr + b)
-    split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), PAGE) * PAGE
-    start = split * split_len
-    n_tiles = gl.maximum(gl.cdiv(gl.minimum(start + split_len, seqlen) - start, PAGE), 0)
+    b, tile, split = program_item(order_ptr, ROWS, ORDERED)
+    _, start, n_tiles = split_pages(seqlens_ptr, b, split, num_splits)
     q_smem = gl.allocate_shared_memory(DTYPE, [1, BLOCK_M, D_V], SMEM)      # [1, ..]: see _consumer's z
     qpe_smem = gl.allocate_shared_memory(DTYPE, [1, BLOCK_M, BOX], SMEM)
     kv_smem = gl.allocate_shared_memory(DTYPE, [STAGES, PAGE, D_V], SMEM)
