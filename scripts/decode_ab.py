@@ -34,6 +34,8 @@ switches, read at launch (so captured with each graph):
   GLUON_SEESAW      triton: bf16 64-row blocks through the seesaw kernel (mla_decode_gluon_seesaw.py) against
                     mla_decode_gluon.py's serial page chain
   SEESAW_STORE_16B  triton: the seesaw kernel's O halves stored 16 bytes a thread through a ring stage
+  SEESAW_32_ROWS    triton: bf16 steps of 17-32 rows through the 64-row seesaw (padded) against the narrow
+                    keys-on-M kernel (bench/NOTES.md 82; not run yet)
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
@@ -90,6 +92,14 @@ def _fp8_mma_force(on: bool):
                         and cd.fp8_narrow_cols(rows) == 16) if on else rule)
 
 
+def _seesaw_32_rows(on: bool):
+    """bf16 steps of 17-32 rows per request through the 64-row seesaw (padded rows) instead of the narrow kernel."""
+    plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
+    narrow = _seesaw_32_rows.__dict__.setdefault("narrow", plan.DEFAULT_CONFIGS[(32, "bf16")])
+    plan.DEFAULT_CONFIGS[(32, "bf16")] = (plan.MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8,
+                                                               num_stages=2, gluon=True) if on else narrow)
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -111,6 +121,7 @@ SWITCHES = {
     "GLUON_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "STORE_16B")),
     "GLUON_SEESAW": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "SEESAW")),
     "SEESAW_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "STORE_16B")),
+    "SEESAW_32_ROWS": ("triton", _seesaw_32_rows),
 }
 
 
