@@ -418,15 +418,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
         raise ValueError(f"FP8 KV needs head_dim_v {fp8_format.KV_LORA_RANK}, got {head_dim_v}")
     if cfg.gluon and cfg.block_h == 64:
         from mlaserve.kernels.triton import mla_decode_gluon, mla_decode_gluon_seesaw
-        if mla_decode_gluon_seesaw.supports(q, kv_cache, head_dim_v) and cfg.num_stages == 2:
+        seesaw = mla_decode_gluon_seesaw.supports(q, kv_cache, head_dim_v) and cfg.num_stages == 2
+        if seesaw or mla_decode_gluon.supports(q, kv_cache, head_dim_v):
             order = grid_order(cache_seqlens, b * triton.cdiv(s_q * h, 64), plan.num_splits)
-            mla_decode_gluon_seesaw.mla_decode_gluon_seesaw(q, kv_cache, block_table, cache_seqlens.contiguous(),
-                                                            softmax_scale, causal, plan, out, lse, order=order)
-            return out, lse
-        if mla_decode_gluon.supports(q, kv_cache, head_dim_v):
-            order = grid_order(cache_seqlens, b * triton.cdiv(s_q * h, 64), plan.num_splits)
-            mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,
-                                              causal, plan, out, lse, stages=cfg.num_stages, order=order)
+            if seesaw:    # bf16 KV
+                mla_decode_gluon_seesaw.mla_decode_gluon_seesaw(q, kv_cache, block_table, cache_seqlens.contiguous(),
+                                                                softmax_scale, causal, plan, out, lse, order=order)
+            else:
+                mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,
+                                                  causal, plan, out, lse, stages=cfg.num_stages, order=order)
             return out, lse
     if cfg.gluon and cfg.block_h == 16 and uses_fp8_mma(cfg, kv_fp8, block_table.shape[1], plan.num_splits):
         from mlaserve.kernels.triton import mla_decode_gluon_fp8mma
