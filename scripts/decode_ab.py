@@ -35,7 +35,7 @@ switches, read at launch (so captured with each graph):
                     mla_decode_gluon.py's serial page chain
   SEESAW_STORE_16B  triton: the seesaw kernel's O halves stored 16 bytes a thread through a ring stage
   SEESAW_32_ROWS    triton: bf16 steps of 17-32 rows through the 64-row seesaw (padded) against the narrow
-                    keys-on-M kernel (bench/NOTES.md 82; not run yet)
+                    keys-on-M kernel, both forced (the default picks by split length: bench/NOTES.md 83)
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
@@ -93,11 +93,10 @@ def _fp8_mma_force(on: bool):
 
 
 def _seesaw_32_rows(on: bool):
-    """bf16 steps of 17-32 rows per request through the 64-row seesaw (padded rows) instead of the narrow kernel."""
+    """bf16 steps of 17-32 rows per request through the 64-row seesaw (padded rows) against the narrow kernel,
+    whatever mla_decode_plan.SEESAW_32_MIN_PAGES would pick."""
     plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
-    narrow = _seesaw_32_rows.__dict__.setdefault("narrow", plan.DEFAULT_CONFIGS[(32, "bf16")])
-    plan.DEFAULT_CONFIGS[(32, "bf16")] = (plan.MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8,
-                                                               num_stages=2, gluon=True) if on else narrow)
+    plan.SEESAW_32_MIN_PAGES = 0 if on else 1 << 30
 
 
 # switch -> (backend, setter(on))

@@ -275,6 +275,44 @@ def test_fp8_mma_takes_long_splits_of_fp8_caches_only():
         MLADecodeConfig(block_h=16, fp8_mma_min_pages=-1)
 
 
+@pytest.fixture
+def h200_planning(monkeypatch):
+    """Planning as on an H200 (Hopper, 132 SMs) for host-only rules; choose_num_splits' cache emptied around it."""
+    from mlaserve.kernels.triton import mla_decode_plan
+    monkeypatch.setattr(mla_decode_plan, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(mla_decode_plan, "_num_sms", lambda device: 132)
+    choose_num_splits.cache_clear()
+    yield mla_decode_plan
+    choose_num_splits.cache_clear()
+
+
+def test_17_to_32_bf16_rows_take_the_seesaw_where_its_splits_are_long(h200_planning):
+    """bf16 steps of 17-32 rows: the 64-row config (the seesaw) where its splits span >= SEESAW_32_MIN_PAGES pages,
+    the narrow 32-row one elsewhere; FP8 KV, other row counts, other page sizes and non-Hopper GPUs keep the
+    table's config. plan_mla_decode takes the same config and sizes its workspace from its splits."""
+    p, cpu = h200_planning, torch.device("cpu")
+    wide, narrow = p.DEFAULT_CONFIGS[(64, "bf16")], p.DEFAULT_CONFIGS[(32, "bf16")]
+    assert p.SEESAW_32_MIN_PAGES == 32 and narrow.block_h == 32
+    assert p.decode_config(128, 1, 32, 64, 64, False, cpu) == wide          # b 128 s_k 4096: unsplit, 64 pages
+    assert p.decode_config(128, 2, 16, 512, 64, False, cpu) == wide         # 32 rows as h 16 s_q 2
+    assert p.decode_config(16, 1, 32, 512, 64, False, cpu) == wide          # 8 splits of 64 pages
+    assert p.decode_config(4, 1, 32, 512, 64, False, cpu) == narrow         # 32 splits of 16
+    assert p.decode_config(1, 1, 32, 512, 64, False, cpu) == narrow         # 64 splits of 8
+    assert p.decode_config(128, 1, 32, 16, 64, False, cpu) == narrow        # unsplit, but 16 pages
+    assert p.decode_config(128, 1, 32, 64, 64, True, cpu) == p.DEFAULT_CONFIGS[(32, "fp8")]
+    assert p.decode_config(128, 1, 16, 64, 64, False, cpu) == p.DEFAULT_CONFIGS[(16, "bf16")]
+    assert p.decode_config(128, 1, 64, 64, 64, False, cpu) == wide
+    assert p.decode_config(128, 1, 32, 32, 128, False, cpu) == narrow       # page 128: the tl kernel runs
+    plan = plan_mla_decode(16, 1, 32, 512, 512, 64, False, cpu)
+    assert plan.config == wide and plan.num_splits == 8 and plan.partial_out.shape == (16, 8, 32, 512)
+    assert plan_mla_decode(1, 1, 32, 512, 512, 64, False, cpu).config == narrow
+
+
+def test_17_to_32_bf16_rows_keep_the_narrow_kernel_off_hopper():
+    from mlaserve.kernels.triton import mla_decode_plan as p
+    assert p.decode_config(128, 1, 32, 64, 64, False, torch.device("cpu")) == p.DEFAULT_CONFIGS[(32, "bf16")]
+
+
 @pytest.mark.parametrize("programs, units, min_units, want, max_splits", [
     (1, 512, 4, 64, 64),    # a cap on the count: 64 splits of 8
     (1, 200, 4, 50, 64),    # under the cap: 50 splits of 4

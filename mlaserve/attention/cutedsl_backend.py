@@ -7,7 +7,7 @@
 - The DSA indexer, long extends (MHA form), the split combine: Triton's.
 
 The CuTe DSL decode module exposes the Triton decode module's planning names (plan_mla_decode,
-default_config, choose_num_splits, workspace_numel), so planning and CUDA-graph buffers are
+default_config, decode_config, choose_num_splits, workspace_numel), so planning and CUDA-graph buffers are
 TritonBackend's own, pointed at the other kernel module and ops backend names.
 """
 

@@ -168,10 +168,10 @@ class TritonBackend(AttentionBackend):
             # sized once, before any capture, for every batch size: captured graphs keep pointing at it
             g.page_size = layout.page_size
             d, h = self._decode, self.config.num_heads
-            config = d.default_config(h, self.config.kv_cache_dtype == "fp8_e4m3")
-            device = torch.device(self.config.device)
-            need = max(d.workspace_numel(n, h, self.config.kv_lora_rank,
-                                         d.choose_num_splits(n, 1, h, g.max_pages, g.page_size, device, config))
+            kv_fp8, device = self.config.kv_cache_dtype == "fp8_e4m3", torch.device(self.config.device)
+            need = max(d.workspace_numel(n, h, self.config.kv_lora_rank, d.choose_num_splits(
+                n, 1, h, g.max_pages, g.page_size, device,
+                d.decode_config(n, 1, h, g.max_pages, g.page_size, kv_fp8, device)))
                        for n in range(1, g.max_batch_size + 1))
             g.workspace = torch.empty(max(need, 1), dtype=torch.float32, device=self.config.device)
         self._copy_into(g, layout)

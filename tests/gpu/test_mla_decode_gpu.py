@@ -122,6 +122,10 @@ CASES = [
     # rows per request that are no multiple of the Gluon kernel's 64-row tiles (padded, never stored)
     (5, 3, 5000, 20, "bf16", None),
     (6, 3, 3000, 128, "bf16", None),
+    # 17-32 bf16 rows: the 64-row seesaw where its splits span >= 32 pages (b 128 s_q 2 h 16 above, b 16 here), the
+    # narrow kernel with shorter splits (b 4)
+    (16, 1, 20000, 32, "bf16", None),
+    (4, 1, 32768, 32, "bf16", None),
     # <= 16 rows: the keys-on-M Gluon kernel, bf16 and FP8, split and not
     (3, 2, 5000, 8, "bf16", 2),
     (128, 1, 4096, 16, "fp8", None),

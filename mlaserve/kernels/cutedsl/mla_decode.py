@@ -9,7 +9,7 @@ keep half of O (FlashMLA's "seesaw"; see its docstring for why). Splits are comb
 Planning is the Triton kernel's (`mla_decode_plan.py`): the split count from shapes only and the
 same workspace layout, with this kernel's 64-row tiles, so a step planned on the host launches
 without host work and can be captured in a CUDA graph. The module exposes the planning names the
-`triton` attention backend calls (`plan_mla_decode`, `default_config`, `choose_num_splits`,
+`triton` attention backend calls (`plan_mla_decode`, `default_config`, `decode_config`, `choose_num_splits`,
 `workspace_numel`), so the `cutedsl_mla` backend reuses that backend's planning and graph code.
 
 Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576]
@@ -100,6 +100,12 @@ def _fp8_pointers(addresses, ordered: bool = False) -> list:
 
 def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
     """The one config (the triton backend asks per row count and KV kind)."""
+    return CONFIG
+
+
+def decode_config(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
+                  device: torch.device) -> MLADecodeConfig:
+    """The config of a step (the triton backend asks per step's shapes): the one config."""
     return CONFIG
 
 

@@ -34,8 +34,8 @@ import triton.language as tl
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton.common import fp8_kv_values
 from mlaserve.kernels.triton.mla_decode_plan import (  # noqa: F401  (re-exported: the planning API)
-    DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, default_config, full_wave_splits,
-    plan_mla_decode, uses_fp8_mma, workspace_numel)
+    DEFAULT_CONFIGS, MLADecodeConfig, MLADecodePlan, choose_num_splits, decode_config, default_config,
+    full_wave_splits, plan_mla_decode, uses_fp8_mma, workspace_numel)
 from mlaserve.kernels.triton.work_order import grid_order
 
 _LOG2E = 1.4426950408889634

@@ -52,7 +52,8 @@ class MLADecodeConfig:
 # kernel, and the Gluon kernels where they measured faster (bench/NOTES.md items 27, 35, 37):
 # - 17-32 rows, bf16 and FP8 KV: the same keys-on-M kernel with N = 32, bf16 1.25-1.39x the tl kernel and
 #   1.14x the 64-row Gluon kernel it replaced at h 32 (b 128 s_k 32768: 1235 against 1411 us), FP8 0.80-0.92x
-#   its bf16 over the check script and the bench (the tl kernel's FP8 ran at 0.45x);
+#   its bf16 over the check script and the bench (the tl kernel's FP8 ran at 0.45x); bf16 steps whose splits
+#   span >= 32 pages take the 64-row seesaw instead (decode_config, SEESAW_32_MIN_PAGES);
 # - up to 16 rows, bf16 and FP8 KV: the keys-on-M Gluon kernel (mla_decode_gluon_narrow.py), 1.06-1.14x the
 #   tl kernel's 87-96% of copy bandwidth with bf16 KV (scripts/gluon_narrow_check.py), FP8 KV (a third
 #   warpgroup dequantizing into two bf16 tiles) 1.02-1.10x its bf16; the tl config below is its fallback off
@@ -95,6 +96,34 @@ def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
     """The table's config for `rows` = s_q * h query rows per request."""
     bucket = next((r for r in _ROW_BUCKETS if rows <= r), _ROW_BUCKETS[-1])
     return DEFAULT_CONFIGS[(bucket, "fp8" if kv_fp8 else "bf16")]
+
+
+# bf16 KV at 17-32 rows per request on Hopper with page-64 caches: the 64-row seesaw (its rows padded) where each
+# of its KV splits spans at least this many pages, the table's keys-on-M kernel (N 32) elsewhere. decode_ab's
+# SEESAW_32_ROWS on the H200 (bench/NOTES.md 83): the seesaw 1.02-1.03x at b 128 h 32 s_k 4k-32k unsplit, 1.11x
+# at variable lengths, 1.04x at h 16 s_q 2 s_k 4k, 1.03-1.04x at b 16 / b 32 h 32 (8 / 4 splits of 64 pages),
+# 1.00-1.02x at 32-page splits (b 8 s_k 32k, b 64 s_k 4k, b 128 s_k 2k) and at 16 pages unsplit; 0.97x at b 4
+# (32 splits of 16 pages) and 0.88x at b 1 (64 of 8), where the narrow kernel's shorter splits fill the SMs
+# with less fixed cost.
+SEESAW_32_MIN_PAGES = 32
+
+
+def decode_config(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
+                  device: torch.device) -> MLADecodeConfig:
+    """The config `plan_mla_decode` takes for a step of b requests (host shapes only): `default_config`'s, but for
+    bf16 steps of 17-32 rows on Hopper that the 64-row seesaw runs faster (SEESAW_32_MIN_PAGES)."""
+    rows = s_q * h
+    config = default_config(rows, kv_fp8)
+    if kv_fp8 or not 16 < rows <= 32 or page_size != 64 or not _is_hopper(device):
+        return config
+    wide = DEFAULT_CONFIGS[(64, "bf16")]
+    splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, wide)
+    return wide if max_pages >= SEESAW_32_MIN_PAGES * splits else config
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,7 +198,7 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())   # so that "cuda" equals "cuda:0" below
     rows = s_q * h
-    config = config or default_config(rows, kv_fp8)
+    config = config or decode_config(b, s_q, h, max_pages, page_size, kv_fp8, device)
     if num_splits is None:
         num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
     if not 1 <= num_splits <= 4 * _MAX_SPLITS:
