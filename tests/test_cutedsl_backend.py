@@ -73,6 +73,7 @@ def test_plan_splits_small_batches_and_sizes_the_workspace():
     want = cd.choose_num_splits(2, 1, 16, 64, 64, CPU)
     assert plan.num_splits == want > 1          # 2 CTAs cannot fill the (CPU stand-in's 8) SMs
     assert plan.config == cd.CONFIG and plan.rows == 16
+    assert cd.decode_config(2, 1, 16, 64, 64, False, CPU) == cd.CONFIG    # the graph workspace's sizing asks this
     assert tuple(plan.partial_out.shape) == (2, want, 16, 512) and tuple(plan.partial_lse.shape) == (2, want, 16)
     full = cd.plan_mla_decode(128, 1, 128, 512, 64, 64, False, CPU)
     assert full.num_splits == 1 and full.partial_out is None

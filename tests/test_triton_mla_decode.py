@@ -297,7 +297,7 @@ def test_17_to_32_bf16_rows_take_the_seesaw_where_its_splits_are_long(h200_plann
     assert p.decode_config(128, 2, 16, 512, 64, False, cpu) == wide         # 32 rows as h 16 s_q 2
     assert p.decode_config(16, 1, 32, 512, 64, False, cpu) == wide          # 8 splits of 64 pages
     assert p.decode_config(4, 1, 32, 512, 64, False, cpu) == narrow         # 32 splits of 16
-    assert p.decode_config(1, 1, 32, 512, 64, False, cpu) == narrow         # 64 splits of 8
+    assert p.decode_config(1, 1, 32, 512, 64, False, cpu) == narrow         # 128 splits of 4
     assert p.decode_config(128, 1, 32, 16, 64, False, cpu) == narrow        # unsplit, but 16 pages
     assert p.decode_config(128, 1, 32, 64, 64, True, cpu) == p.DEFAULT_CONFIGS[(32, "fp8")]
     assert p.decode_config(128, 1, 16, 64, 64, False, cpu) == p.DEFAULT_CONFIGS[(16, "bf16")]
@@ -306,6 +306,20 @@ def test_17_to_32_bf16_rows_take_the_seesaw_where_its_splits_are_long(h200_plann
     plan = plan_mla_decode(16, 1, 32, 512, 512, 64, False, cpu)
     assert plan.config == wide and plan.num_splits == 8 and plan.partial_out.shape == (16, 8, 32, 512)
     assert plan_mla_decode(1, 1, 32, 512, 512, 64, False, cpu).config == narrow
+
+
+def test_graph_workspace_covers_every_batch_size_under_the_seesaw_rule(h200_planning):
+    """The CUDA-graph workspace is sized once for every batch size up to the maximum; with h 32 the configs differ
+    by batch size (the 64-row seesaw at b 16, the narrow kernel at b 1-4), and each size's plan fits in it."""
+    backend = registry.create("triton", _config(num_heads=32, rank=512, rope=64))
+    backend.init_cuda_graph(max_batch_size=16, max_pages=512)
+    configs = set()
+    for b in (1, 4, 16):
+        layout = BatchLayout.build([100] * b, [1] * b, [[i + 1] * 2 for i in range(b)], 64, "cpu")
+        plan = backend.plan_for_capture(layout).decode_plan
+        configs.add(plan.config.block_h)
+        assert plan.num_splits > 1 and plan.partial_out.shape == (b, plan.num_splits, 32, 512)
+    assert configs == {32, 64}
 
 
 def test_17_to_32_bf16_rows_keep_the_narrow_kernel_off_hopper():

@@ -103,8 +103,8 @@ def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
 # SEESAW_32_ROWS on the H200 (bench/NOTES.md 83): the seesaw 1.02-1.03x at b 128 h 32 s_k 4k-32k unsplit, 1.11x
 # at variable lengths, 1.04x at h 16 s_q 2 s_k 4k, 1.03-1.04x at b 16 / b 32 h 32 (8 / 4 splits of 64 pages),
 # 1.00-1.02x at 32-page splits (b 8 s_k 32k, b 64 s_k 4k, b 128 s_k 2k) and at 16 pages unsplit; 0.97x at b 4
-# (32 splits of 16 pages) and 0.88x at b 1 (64 of 8), where the narrow kernel's shorter splits fill the SMs
-# with less fixed cost.
+# (32 splits of 16 pages) and 0.88x at b 1 (128 of 4; both kernels split alike at 17-32 rows), where a split's
+# fixed cost weighs more in the seesaw.
 SEESAW_32_MIN_PAGES = 32
 
 
