@@ -36,6 +36,8 @@ switches, read at launch (so captured with each graph):
   SEESAW_STORE_16B  triton: the seesaw kernel's O halves stored 16 bytes a thread through a ring stage
   SEESAW_32_ROWS    triton: bf16 steps of 17-32 rows through the 64-row seesaw (padded) against the narrow
                     keys-on-M kernel, both forced (the default picks by split length: bench/NOTES.md 83)
+  DEQUANT_WG        triton: FP8 pages at <= 32 rows dequantized by their own warpgroup beside one compute
+                    warpgroup against two compute warpgroups dequantizing them in place
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
@@ -121,6 +123,7 @@ SWITCHES = {
     "GLUON_SEESAW": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "SEESAW")),
     "SEESAW_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "STORE_16B")),
     "SEESAW_32_ROWS": ("triton", _seesaw_32_rows),
+    "DEQUANT_WG": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "DEQUANT_WG")),
 }
 
 

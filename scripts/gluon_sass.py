@@ -63,7 +63,7 @@ def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narro
            "stride_qb": "i32", "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
            "IS_SPLIT": "constexpr", "STAGES": "constexpr", "KV_FP8": "constexpr", "BLOCK_R": "constexpr",
            "DQ_WG": "constexpr", "ORDERED": "constexpr", "BT_EARLY": "constexpr"}
-    dq = dq and fp8 and rows <= 16
+    dq = dq and fp8
     return m._mla_decode_narrow_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split,
                                               "STAGES": m.ring_stages(fp8, rows, dq), "KV_FP8": fp8, "BLOCK_R": rows,
                                               "DQ_WG": dq, "ORDERED": ordered, "BT_EARLY": bt_early}
@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--module", default=None, help="the kernel's module (a variant of it)")
     ap.add_argument("--fp8", type=int, default=1, help="narrow: FP8 KV (else bf16)")
     ap.add_argument("--rows", type=int, default=16, help="narrow: BLOCK_R, 16 or 32")
+    ap.add_argument("--dq", type=int, default=1,
+                    help="narrow, FP8: the dequantizing warpgroup (DQ_WG), else in place")
     ap.add_argument("--ordered", type=int, default=0, help="the request axis through an order (ORDERED)")
     ap.add_argument("--store16", type=int, default=1, help="rows64, seesaw: STORE_16B")
     ap.add_argument("--bt-early", type=int, default=1,
@@ -132,7 +134,7 @@ def main():
                                  bt_early=a.bt_early, store16=a.store16)
     else:
         fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows,
-                                 ordered=a.ordered, bt_early=a.bt_early)
+                                 dq=a.dq, ordered=a.ordered, bt_early=a.bt_early)
     # pointers 16-byte aligned and strides multiples of 16, as Triton specializes them at launch
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty.startswith("*") or name.startswith("stride_")}

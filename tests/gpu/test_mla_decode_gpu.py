@@ -126,6 +126,11 @@ CASES = [
     # narrow kernel with shorter splits (b 4)
     (16, 1, 20000, 32, "bf16", None),
     (4, 1, 32768, 32, "bf16", None),
+    # 17-32 FP8 rows: the dequantizing warpgroup beside one compute warpgroup, unsplit, split, odd rows
+    (128, 2, 4096, 16, "fp8", None),
+    (4, 1, 32768, 32, "fp8", None),
+    (5, 3, 3000, 7, "fp8", 2),
+    (200, 1, 3000, 32, "fp8", 1),
     # <= 16 rows: the keys-on-M Gluon kernel, bf16 and FP8, split and not
     (3, 2, 5000, 8, "bf16", 2),
     (128, 1, 4096, 16, "fp8", None),
@@ -220,6 +225,24 @@ def test_gluon_64_row_kernels_bf16(monkeypatch, seesaw, b, s_q, h, num_splits):
     _check(out, lse, q, kv, table, seqlens, list(range(b)))
 
 
+@pytest.mark.parametrize("dequant_wg", [True, False])
+@pytest.mark.parametrize("b, s_q, h, num_splits", [(5, 1, 32, 1), (3, 2, 12, 3), (4, 3, 9, 1), (3, 1, 16, 2)])
+def test_gluon_fp8_narrow_both_forms(monkeypatch, dequant_wg, b, s_q, h, num_splits):
+    """FP8 KV at <= 32 rows through the dequantizing warpgroup beside one compute warpgroup for all 512 columns
+    (DEQUANT_WG, the default) and through two compute warpgroups dequantizing in place: odd and even page counts,
+    a one-page and an empty request, partial last pages, padded rows (h 12 s_q 2, h 9 s_q 3), splits; 16 rows with
+    splits too short for the FP8-MMA kernel."""
+    from mlaserve.kernels.triton import mla_decode_gluon_narrow
+    monkeypatch.setattr(mla_decode_gluon_narrow, "DEQUANT_WG", dequant_wg)
+    lens = [3000 + 64 * i + 17 * (i % 2) for i in range(b)]
+    if b > 2:
+        lens[1], lens[2] = 40, 0
+    q, kv, table, seqlens = _case(lens, 64, s_q, h, "fp8", seed=b * 37 + h)
+    out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton",
+                              num_splits=num_splits)
+    _check(out, lse, q, kv, table, seqlens, list(range(b)))
+
+
 def test_more_requests_than_a_grid_axis_holds():
     """70000 one-token rows (an EXTEND step run per token): b exceeds the 65535 of CUDA's 2nd/3rd grid axes."""
     b, page_size = 70000, 64
@@ -241,7 +264,7 @@ def test_page_sizes(page_size):
     _check(out, lse, q, kv, table, seqlens, [0, 1, 2])
 
 
-@pytest.mark.parametrize("kv_kind,heads", [("bf16", 16), ("fp8", 16), ("bf16", 64)])   # h 64: the Gluon kernel
+@pytest.mark.parametrize("kv_kind,heads", [("bf16", 16), ("fp8", 16), ("bf16", 64), ("fp8", 32)])
 def test_cuda_graph_replay_equals_eager(kv_kind, heads):
     from mlaserve.attention.triton_backend import TritonBackend
     config = BackendConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
@@ -282,13 +305,14 @@ def test_cuda_graph_replay_equals_eager(kv_kind, heads):
            list(range(bs)))
 
 
-@pytest.mark.parametrize("h,fp8_mma", [(16, False), (16, True), (64, False)])
+@pytest.mark.parametrize("h,fp8_mma", [(16, False), (16, True), (32, False), (64, False)])
 def test_fp8_subnormal_entries_count(h, fp8_mma):
     """Entries that quantize to e4m3 subnormals (|x| < 2^-6 * scale) keep their values: in each 128-column tile
     one entry of 1 sets the scale and the others are ~1e-5, so every other output column is an average of
     subnormal-derived values only. A kernel that flushes them (or a dequantizer that drops them) gives 0 there.
     h 16 runs the dequantizing Gluon kernel (its bit trick) or, with a block table of 32 pages and one split, the
-    FP8-MMA kernel (e4m3 bytes straight into the MMAs); h 64 the 64-row Gluon kernel."""
+    FP8-MMA kernel (e4m3 bytes straight into the MMAs); h 32 the dequantizing warpgroup too (N 32); h 64 the
+    64-row Gluon kernel."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     lens = [64, 200]
     pages = 5

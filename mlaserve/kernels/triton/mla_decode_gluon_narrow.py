@@ -11,13 +11,15 @@ Layout:
 - a producer warp (warp_specialize worker) TMA-loads each page of the split into a STAGES-deep ring on
   mbarriers: bf16 as eight [64, 64] boxes of c_kv and one of k_pe; FP8 as three boxes of the same cache
   rows (e4m3 c_kv in four [64, 128] boxes, fp32 scales [64, 4], bf16 k_pe [64, 64]);
-- FP8 at <= 16 rows (DQ_WG, the default there): a third warpgroup dequantizes each page into one of two bf16
-  tiles (16-byte loads, a bit trick of 2 instructions per byte and one bf16 multiply per pair, 32-byte
-  stores) while the compute warpgroups work on the other; the producer loads c_kv in half-page units into a
-  2-deep raw ring (each unit freed as soon as it is dequantized) and k_pe straight into the tile. The
-  compute warpgroups then read the tiles as they read a bf16 ring;
-- two compute warpgroups split the 512 c_kv columns in halves. Per page each one
-  - FP8 from 17 rows: dequantizes its half into the one shared bf16 tile; bf16: the ring stage is the tile,
+- FP8 (DQ_WG, the default): a dequantizing warpgroup converts each page into one of two bf16 tiles (16-byte
+  loads, a bit trick of 2 instructions per byte and one bf16 multiply per pair, 32-byte stores) while one
+  compute warpgroup works on the other; the producer loads c_kv in half-page units into a 2-deep raw ring (each
+  unit freed as soon as it is dequantized) and k_pe into its own buffer beside the tile. The compute warpgroup
+  reads the tiles as a bf16 ring and takes all 512 columns: S^T whole (no exchange), O^T [512, BLOCK_R] (at 32
+  rows 128 registers a thread). Two tiles do not fit beside 32 rows' Q and the exchange buffers of two compute
+  warpgroups; with one there is nothing to exchange (bench/NOTES.md 84);
+- bf16, and FP8 without DQ_WG: two compute warpgroups split the 512 c_kv columns in halves. Per page each one
+  - FP8: dequantizes its half into the one shared bf16 tile; bf16: the ring stage is the tile,
   - computes its partial S^T = K_half Q_half^T ([64 keys, BLOCK_R rows]; warpgroup 0 adds k_pe q_pe^T),
   - exchanges the partials through shared memory (an mbarrier of 2 arrivals per page), so that both run the
     same online softmax along the keys,
@@ -25,15 +27,20 @@ Layout:
   Both store their own 256 output columns; warpgroup 0 stores lse. A bf16 stage (or DQ_WG tile) is freed
   once O^T is done (2 stages); an FP8 stage dequantized in place once its halves are and S^T is done (3
   stages fit beside the tile at 16 rows, 2 at 32).
+Registers: the second compute warpgroup 168 at 16 rows, 208 at 32 (32 spill 32 B at 168); DQ_WG's compute
+warpgroup is the default partition and takes what the dequantizer (96) and the producer (24) leave.
 Cache rows past the request's end: FP8 gets scale 0 there (the bit trick makes every byte finite, NaN bytes
 included); bf16 zeroes them in the stage before use (NaN in unused slots); their scores are masked.
 
 Measured (H200, scripts/gluon_narrow_check.py, bench/NOTES.md items 35, 37), h 16, b 128 s_k 4k-32k and b 1/4/16
-at 32k: bf16 1.06-1.14x the tl kernel; FP8 with the dequantizing warpgroup 1.02-1.10x the kernel's own bf16
-time (in place: 0.98-1.03x). h 32 (N = 32), b 128 s_k 4k-32k: bf16 1.35-1.39x the tl kernel and 1.14x the
-64-row Gluon kernel; FP8 (in place) 0.80-0.87x its bf16. What bounds FP8: from L2 (scripts/chain_rate.py,
-NARROW_POOL) a page takes 1.92 us with the dequantizing warpgroup and 2.07 in place against bf16's 1.34, the
-same as from HBM: the chain, not the loads. A second dequantizing warpgroup, k_pe in its own 3-deep ring and
+at 32k: bf16 1.06-1.14x the tl kernel; FP8 with the dequantizing warpgroup (beside two compute warpgroups, then)
+1.02-1.10x the kernel's own bf16 time (in place: 0.98-1.03x). h 32 (N = 32), b 128 s_k 4k-32k: bf16 1.35-1.39x
+the tl kernel and 1.14x the 64-row Gluon kernel; FP8 in place 0.80-0.87x its bf16. The dequantizing warpgroup
+with one compute warpgroup (decode_ab, bench/NOTES.md 84): FP8 at 32 rows 1.28-1.35x in place at b 128, 1.11-1.28x
+at b 1/4/16; at 16 rows 1.03-1.04x the dequantizer beside two compute warpgroups (b 1/4, b 128 s_k 1024). What
+bounded FP8 before (16 rows, two compute warpgroups): from L2 (scripts/chain_rate.py, NARROW_POOL) a page took
+1.92 us with the dequantizing warpgroup and 2.07 in place against bf16's 1.34, the same as from HBM: the chain,
+not the loads. A second dequantizing warpgroup, k_pe in its own 3-deep ring and
 an L2 prefetch of the pages ahead measured no faster; overlapping the next page's dequantize with O^T (in
 place) 9% slower, K from registers 10-15% slower (branch wip/fp8-dequant-variants).
 """
@@ -57,6 +64,9 @@ D_PE = gl.constexpr(64)
 ROW_BYTES = gl.constexpr(656)
 LOG2E = gl.constexpr(1.4426950408889634)
 MAX_ROWS = 32                 # query rows per request: the MMA's N is 16 or 32 (BLOCK_R)
+# FP8 pages through the dequantizing warpgroup (two bf16 tiles, one compute warpgroup), against the two compute
+# warpgroups dequantizing into one tile themselves (decode_ab's DEQUANT_WG; bench/NOTES.md 84)
+DEQUANT_WG = True
 
 
 @gluon.jit
@@ -109,8 +119,8 @@ def _load_partition(ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_
 @gluon.jit
 def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, empty, seqlens_ptr, b, num_splits,
                        H, S_Q, CAUSAL: gl.constexpr, RAW_UNITS: gl.constexpr):
-    """DQ_WG's dequantizing warpgroup: each FP8 page from its two raw units into the bf16 tile t % 2 (once both
-    compute warpgroups are done with it), a unit freed as soon as it is read; the tile's ready barrier takes
+    """DQ_WG's dequantizing warpgroup: each FP8 page from its two raw units into the bf16 tile t % 2 (once the
+    compute warpgroup is done with it), a unit freed as soon as it is read; the tile's ready barrier takes
     this arrival and the producer's k_pe bytes."""
     CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     SCL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
@@ -141,14 +151,16 @@ def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, e
 def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr, b,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
-              BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr, W: gl.constexpr):
-    """Compute warpgroup W: columns W * 256 .. W * 256 + 255 of every page (FP8: dequantized into kbuf; partial
-    S^T; O^T); S^T's two partials are exchanged through shared memory, so both warpgroups run the same softmax.
-    Stores its 256 output columns (warpgroup 0 the lse too). With DQ_WG the ring is of bf16 tiles that the
+              BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr, W: gl.constexpr, COLS: gl.constexpr = HALF):
+    """Compute warpgroup W: columns W * 256 .. W * 256 + COLS - 1 of every page (FP8: dequantized into kbuf;
+    partial S^T; O^T); with COLS 256, S^T's two partials are exchanged through shared memory, so both warpgroups run
+    the same softmax; with COLS 512 (DQ_WG's one compute warpgroup) the warpgroup has all of S^T itself.
+    Stores its COLS output columns (warpgroup 0 the lse too). With DQ_WG the ring is of bf16 tiles that the
     dequantizing warpgroup fills, read as a bf16 ring (its rows past the request's end already 0)."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_R, 16])
     DEQUANT_HERE: gl.constexpr = KV_FP8 and DQ_WG == 0
+    EXCHANGE: gl.constexpr = COLS == HALF
     KEY_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)     # per key (M) of S^T
     ROW_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)     # per query row (N) of S^T
     CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -162,6 +174,8 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
     l_acc = gl.zeros([PAGE, BLOCK_R], gl.float32, S_LAYOUT)
     o0 = gl.zeros([GROUP, BLOCK_R], gl.float32, S_LAYOUT)
     o1 = gl.zeros([GROUP, BLOCK_R], gl.float32, S_LAYOUT)
+    o2 = gl.zeros([GROUP, BLOCK_R], gl.float32, S_LAYOUT)     # COLS 512 only
+    o3 = gl.zeros([GROUP, BLOCK_R], gl.float32, S_LAYOUT)
     zero_s = gl.zeros([PAGE, BLOCK_R], gl.float32, S_LAYOUT)
     pt = pt_smem.index(W)
     for t in range(n_tiles):
@@ -171,7 +185,7 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
         if DEQUANT_HERE:
             # -- this warpgroup's half of the page, dequantized into kbuf --
             sc = sc_smem.index(s).load(SCL)
-            for g in gl.static_range(2 * W, 2 * W + 2):
+            for g in gl.static_range(2 * W, 2 * W + COLS // GROUP):
                 dequantize_group(ckv_smem.index(s).slice(g * GROUP, GROUP, dim=1), sc,
                                  kbuf.slice(g * GROUP, GROUP, dim=1), g, seqlen - tok0, CVT, SCL)
             fence_async_shared()
@@ -182,11 +196,11 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
             if not KV_FP8:
                 if tok0 + PAGE > seqlen:
                     # rows past the request's end (NaN in unused slots) zeroed in this half: O^T reads them
-                    zero_rows_from(kv, seqlen - tok0, W * HALF, HALF, CVT)
+                    zero_rows_from(kv, seqlen - tok0, W * HALF, COLS, CVT)
                     fence_async_shared()
                     gl.thread_barrier()
         # -- partial S^T over these columns (and k_pe q_pe^T in warpgroup 0) --
-        acc = warpgroup_mma(kv.slice(W * HALF, HALF, dim=1), q_smem.slice(W * HALF, HALF, dim=1).permute((1, 0)),
+        acc = warpgroup_mma(kv.slice(W * HALF, COLS, dim=1), q_smem.slice(W * HALF, COLS, dim=1).permute((1, 0)),
                             zero_s, use_acc=False, is_async=True)
         if W == 0:
             acc = warpgroup_mma(kpe_smem.index(s), qpe_smem.permute((1, 0)), acc, is_async=True)
@@ -194,17 +208,20 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
         gl.thread_barrier()
         if DEQUANT_HERE:
             mbarrier.arrive(empty.index(s))       # the raw stage is done with (the ring has 2 arrivals a fill)
-        # -- exchange the partials: S^T = warpgroup 0's + warpgroup 1's, the same sum in both --
-        x = t % 2
-        xbuf.index(2 * x + W).store(acc)
-        gl.thread_barrier()
-        mbarrier.arrive(xbar.index(x))
-        mbarrier.wait(xbar.index(x), (t // 2) & 1)
-        other = xbuf.index(2 * x + 1 - W).load(S_LAYOUT)
-        if W == 0:
-            sco = acc + other
+        if EXCHANGE:
+            # -- exchange the partials: S^T = warpgroup 0's + warpgroup 1's, the same sum in both --
+            x = t % 2
+            xbuf.index(2 * x + W).store(acc)
+            gl.thread_barrier()
+            mbarrier.arrive(xbar.index(x))
+            mbarrier.wait(xbar.index(x), (t // 2) & 1)
+            other = xbuf.index(2 * x + 1 - W).load(S_LAYOUT)
+            if W == 0:
+                sco = acc + other
+            else:
+                sco = other + acc
         else:
-            sco = other + acc
+            sco = acc
         sco = sco * qk_scale
         p, alpha, m_i, l_acc = softmax_keys_on_m(sco, m_i, l_acc, tok0, min_vis, vis, KEY_S)
         pt.store(p.to(gl.bfloat16))
@@ -215,7 +232,14 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
                            is_async=True)
         o1 = warpgroup_mma(kv.slice(W * HALF + GROUP, GROUP, dim=1).permute((1, 0)), pt, o1 * alpha[None, :],
                            is_async=True)
-        o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
+        if EXCHANGE:
+            o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
+        else:
+            o2 = warpgroup_mma(kv.slice(2 * GROUP, GROUP, dim=1).permute((1, 0)), pt, o2 * alpha[None, :],
+                               is_async=True)
+            o3 = warpgroup_mma(kv.slice(3 * GROUP, GROUP, dim=1).permute((1, 0)), pt, o3 * alpha[None, :],
+                               is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
         gl.thread_barrier()                       # kbuf and P^T are free for the next page
         if not DEQUANT_HERE:
             mbarrier.arrive(empty.index(s))       # the stage is done with (the ring has 2 arrivals a fill)
@@ -226,6 +250,11 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
                  IS_SPLIT, S_LAYOUT)
     _store_group(o1, 2 * W + 1, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr, stride_pob, stride_pos,
                  IS_SPLIT, S_LAYOUT)
+    if not EXCHANGE:
+        _store_group(o2, 2, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr, stride_pob, stride_pos, IS_SPLIT,
+                     S_LAYOUT)
+        _store_group(o3, 3, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr, stride_pob, stride_pos, IS_SPLIT,
+                     S_LAYOUT)
     if W == 0:
         if IS_SPLIT:
             gl.store(pl_ptr + b * (num_splits * ROWS) + split * ROWS + rows, lse, mask=row_ok)
@@ -287,7 +316,8 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
                               stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr,
                               STAGES: gl.constexpr, KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr,
                               ORDERED: gl.constexpr, BT_EARLY: gl.constexpr = False):
-    """Grid (b, num_splits); 4 + 4 compute warps + the producer warp (+ 4 dequantizing warps with DQ_WG).
+    """Grid (b, num_splits); 4 + 4 compute warps + the producer warp; with DQ_WG 4 dequantizing warps + 4 compute
+    warps (all 512 columns, no exchange of S^T partials) + the producer warp.
     q [b, ROWS, 576] bf16 (row = token j * H + head, ROWS <= BLOCK_R = 16 or 32); the cache behind its
     descriptors: FP8 as [pages * 64, 656] bytes (three, one per part of a row), bf16 as [pages * 64, 576] (one,
     [64, 64] boxes). out [b * ROWS, 512] bf16, lse [b * ROWS]; with splits po [b, splits, ROWS, 512] /
@@ -333,13 +363,16 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
         kbuf = ckv_smem           # unused: the stage is the bf16 tile
     kpe_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D_PE], SMEM16)
     pt_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, BLOCK_R], PT_SMEM)
-    xbuf = gl.allocate_shared_memory(gl.float32, [4, PAGE, BLOCK_R], X_SMEM)
+    if DQ_WG:
+        xbuf = pt_smem            # unused: one compute warpgroup, no partials to exchange
+    else:
+        xbuf = gl.allocate_shared_memory(gl.float32, [4, PAGE, BLOCK_R], X_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2 if DQ_WG else 1)   # DQ_WG: the dequantizer + k_pe's TMA
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=1 if DQ_WG else 2)    # the compute warpgroups
     mbarrier.init(xbar.index(0), count=2)
     mbarrier.init(xbar.index(1), count=2)
     raw_ready = gl.allocate_shared_memory(gl.int64, [RAW_UNITS, 1], mbarrier.MBarrierLayout())
@@ -354,20 +387,17 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
     bt_row = bt_ptr + b.to(gl.int64) * stride_btb
     # (each call spells out its argument tuples: a tuple held in a variable loses its constexprs in Gluon)
     if DQ_WG:
-        # the compute warpgroups read the bf16 tiles (kbuf) as their ring; the dequantizer fills them
+        # one compute warpgroup reads the bf16 tiles (kbuf) as its ring; the dequantizer fills them
         gl.warp_specialize(
             [(_consumer, (q_smem, qpe_smem, kbuf, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                           seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-                          stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0)),
-             (_second_consumer, (q_smem, qpe_smem, kbuf, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
-                                 seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-                                 stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG)),
+                          stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0, D_V)),
              (_dequant_partition, (ckv_smem, sc_smem, kbuf, raw_ready, raw_empty, ready, empty, seqlens_ptr, b,
                                    num_splits, H, S_Q, CAUSAL, RAW_UNITS)),
              (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
                                 raw_ready, raw_empty, start // PAGE, n_tiles, STAGES, KV_FP8, DQ_WG, RAW_UNITS,
                                 BT_EARLY))],
-            [4, 4, 1], [WORKER_REGS, DQ_REGS, 24])
+            [4, 1], [DQ_REGS, 24])
     else:
         gl.warp_specialize(
             [(_consumer, (q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
@@ -418,10 +448,10 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
                             order: torch.Tensor | None = None) -> None:
     """ops.mla_decode's semantics for the calls `supports` takes, into out [b, s_q, h, 512] and lse [b, s_q, h]
     (contiguous, b > 0); `plan` from mla_decode_plan.plan_mla_decode with 16- or 32-row programs.
-    `dequant_warpgroup` (FP8 and <= 16 rows only, where two bf16 tiles fit in shared memory; the default
-    there): a third warpgroup dequantizes each page into one of two bf16 tiles while the compute warpgroups work
-    on the other, instead of the compute warpgroups dequantizing into one tile themselves. `order`: int32 [b], the
-    order in which the grid takes the requests (work_order.grid_order), or None for batch order."""
+    `dequant_warpgroup` (FP8 only; the default there while DEQUANT_WG is on): a warpgroup dequantizes each page
+    into one of two bf16 tiles while one compute warpgroup works on the other, instead of two compute warpgroups
+    dequantizing into one tile themselves. `order`: int32 [b], the order in which the grid takes the requests
+    (work_order.grid_order), or None for batch order."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mlaserve.kernels.triton.mla_decode import combine_splits
@@ -429,10 +459,9 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
     b, s_q, h, _ = q.shape
     rows, page = s_q * h, PAGE.value
     kv_fp8 = kv_cache.dtype == torch.uint8
-    dq = kv_fp8 and rows <= 16 if dequant_warpgroup is None else dequant_warpgroup
-    if dq and not (kv_fp8 and rows <= 16):
-        raise ValueError(f"dequant_warpgroup takes FP8 caches and <= 16 query rows, got {kv_cache.dtype} and "
-                         f"{rows} rows")
+    dq = kv_fp8 and DEQUANT_WG if dequant_warpgroup is None else dequant_warpgroup
+    if dq and not kv_fp8:
+        raise ValueError(f"dequant_warpgroup takes FP8 caches, got {kv_cache.dtype}")
     if kv_fp8:
         ckv_desc, sc_desc, kpe_desc = fp8_descriptors(kv_cache)
     else:
