@@ -38,6 +38,8 @@ switches, read at launch (so captured with each graph):
                     keys-on-M kernel, both forced (the default picks by split length: bench/NOTES.md 83)
   DEQUANT_WG        triton: FP8 pages at <= 32 rows dequantized by their own warpgroup beside one compute
                     warpgroup against two compute warpgroups dequantizing them in place
+  TRITON_FP8_MMA_OFF  triton: FP8 steps of <= 16 rows all through the dequantizing warpgroup against the default
+                    (the FP8-MMA kernel where splits span >= 32 pages)
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
@@ -47,6 +49,7 @@ Shapes: "bB hH [sqN] [skS] [var] [fp8]" (s_q 1, s_k 4096, fixed lengths, bf16 KV
 """
 
 import argparse
+import dataclasses
 import importlib
 import os
 import statistics
@@ -101,6 +104,14 @@ def _seesaw_32_rows(on: bool):
     plan.SEESAW_32_MIN_PAGES = 0 if on else 1 << 30
 
 
+def _triton_fp8_mma_off(on: bool):
+    """triton FP8 steps of <= 16 rows all through the dequantizing warpgroup (the FP8-MMA kernel never) against the
+    default (mla_decode_plan.uses_fp8_mma: the FP8-MMA kernel where splits span >= fp8_mma_min_pages pages)."""
+    plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
+    cfg = _triton_fp8_mma_off.__dict__.setdefault("cfg", plan.DEFAULT_CONFIGS[(16, "fp8")])
+    plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=0) if on else cfg
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -124,6 +135,7 @@ SWITCHES = {
     "SEESAW_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "STORE_16B")),
     "SEESAW_32_ROWS": ("triton", _seesaw_32_rows),
     "DEQUANT_WG": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "DEQUANT_WG")),
+    "TRITON_FP8_MMA_OFF": ("triton", _triton_fp8_mma_off),
 }
 
 

@@ -136,8 +136,8 @@ CASES = [
     (128, 1, 4096, 16, "fp8", None),
     (3, 2, 5000, 8, "fp8", 2),
     (5, 3, 3000, 5, "fp8", None),
-    # <= 16 rows, FP8, >= 32 pages a split: the FP8-MMA kernel (b 128 above too), split
-    (4, 1, 12000, 16, "fp8", 3),
+    # <= 16 rows, FP8, s_q 1, split into runs of >= 64 pages: the FP8-MMA kernel (b 128 unsplit above too)
+    (4, 1, 12000, 16, "fp8", 2),
     # more 64-row programs than SMs, ragged lengths, unsplit: the grid takes requests longest first (b 128 h 128
     # above too)
     (150, 2, 3000, 64, "fp8", 1),

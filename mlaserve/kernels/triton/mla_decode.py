@@ -428,7 +428,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
                 mla_decode_gluon.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens.contiguous(), softmax_scale,
                                                   causal, plan, out, lse, stages=cfg.num_stages, order=order)
             return out, lse
-    if cfg.gluon and cfg.block_h == 16 and uses_fp8_mma(cfg, kv_fp8, block_table.shape[1], plan.num_splits):
+    if cfg.gluon and cfg.block_h == 16 and uses_fp8_mma(cfg, kv_fp8, block_table.shape[1], plan.num_splits, s_q):
         from mlaserve.kernels.triton import mla_decode_gluon_fp8mma
         if mla_decode_gluon_fp8mma.supports(q, kv_cache, head_dim_v):
             mla_decode_gluon_fp8mma.mla_decode_gluon_fp8mma(q, kv_cache, block_table, cache_seqlens.contiguous(),

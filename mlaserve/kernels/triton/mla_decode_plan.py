@@ -62,7 +62,8 @@ class MLADecodeConfig:
 #   a split spans >= 32 pages: the FP8-MMA kernel (mla_decode_gluon_fp8mma.py, no dequantize), 1.10-1.15x the
 #   dequantizing warpgroup at b 128 s_k 4k-32k and b 16 s_k 32k (1.23-1.30x bf16 in the benchmark); at 8-16
 #   pages a split (b 1, b 4 at s_k 32768) its fixed cost loses (0.80x / 1.00x), so they keep the dequantizing
-#   warpgroup (scripts/fp8mma_check.py, bench/NOTES.md items 48-49);
+#   warpgroup (scripts/fp8mma_check.py, bench/NOTES.md items 48-49), as do split steps of < 64 pages a split and
+#   s_q > 1 (uses_fp8_mma);
 # - from 33 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.24-1.64x the tl kernel
 #   at h 64/128 (scripts/gluon_check.py), as the seesaw of mla_decode_gluon_seesaw.py (two warpgroups on
 #   alternate pages, 1.07-1.19x the serial page chain; bench/NOTES.md item 80);
@@ -85,11 +86,15 @@ DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
 }
 
 
-def uses_fp8_mma(config: MLADecodeConfig, kv_fp8: bool, max_pages: int, num_splits: int) -> bool:
-    """Whether a <= 16-row Gluon decode over an FP8 cache takes the FP8-MMA kernel: each split spans at least
-    config.fp8_mma_min_pages pages (max_pages = the block table's columns; host shapes only, no sync)."""
-    return (kv_fp8 and config.fp8_mma_min_pages > 0
-            and max_pages >= config.fp8_mma_min_pages * num_splits)
+def uses_fp8_mma(config: MLADecodeConfig, kv_fp8: bool, max_pages: int, num_splits: int, s_q: int = 1) -> bool:
+    """Whether a <= 16-row Gluon decode over an FP8 cache takes the FP8-MMA kernel: one new token per request, and
+    the step unsplit over at least config.fp8_mma_min_pages pages or split into runs of at least twice that
+    (max_pages = the block table's columns; host shapes only, no sync). decode_ab's TRITON_FP8_MMA_OFF on the H200
+    against the dequantizing warpgroup beside one compute warpgroup (bench/NOTES.md 84): the FP8-MMA kernel
+    1.01-1.03x at b 128 h 16 unsplit from 32 pages, 1.19x at s_k 8192 with variable lengths, level at b 16 (splits of
+    64 pages); 0.96x at b 8 (splits of 32), 0.95-0.96x at h 8 s_q 2."""
+    need = config.fp8_mma_min_pages * (1 if num_splits == 1 else 2 * num_splits)
+    return kv_fp8 and config.fp8_mma_min_pages > 0 and s_q == 1 and max_pages >= need
 
 
 def default_config(rows: int, kv_fp8: bool) -> MLADecodeConfig:
