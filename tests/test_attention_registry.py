@@ -95,6 +95,20 @@ def test_auto_primary_and_decode_peers_are_those_that_run_here(monkeypatch, runn
     assert dsa.primary.name == primary and dsa.decode_peers == ()
 
 
+def test_auto_with_cutedsl_primary_keeps_fp8_steps():
+    """Over the FP8 cache the CuTe DSL's kernels keep every decode step (its FP8-MMA kernel is ahead of Triton's at
+    <= 16 rows); over 16-bit caches Triton takes those steps."""
+    fp8 = BackendConfig(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        kv_cache_dtype="fp8_e4m3", device=torch.device("cpu"))
+    auto = AutoBackend(fp8, _Fake(fp8, "cutedsl_mla"), (_Fake(fp8, "triton"),))
+    assert auto.decode_peers == ()
+    layout = BatchLayout.build([4] * 8, [1] * 8, [[1]] * 8, 64, "cpu")
+    assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == "cutedsl_mla"
+    bf16 = _cfg(16)
+    assert [p.name for p in AutoBackend(bf16, _Fake(bf16, "cutedsl_mla"), (_Fake(bf16, "triton"),)).decode_peers] \
+        == ["triton"]
+
+
 @pytest.mark.parametrize("heads,s_q,batch,want", [
     (128, 1, 4, "cutedsl_mla"),     # 128 rows, small batch: level with FlashInfer since the combine got faster
     (128, 1, 64, "cutedsl_mla"),    # large batch: level or faster, the primary keeps it

@@ -11,15 +11,19 @@ h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-202
   once (bench/NOTES.md item 46); now b 1/4/16 are 1.25/0.99/1.01x (cutedsl ahead at b 1 and 16, FlashInfer
   1% ahead at b 4), and at b 128 the two trade places from run to run (0.93-1.07x), so cutedsl keeps every
   step; FlashInfer cannot read the FP8 cache;
-- against `cutedsl_mla`, Triton's keys-on-M kernel wins up to 16 rows: level at b128 h16 bf16 (0.99-1.00x),
-  ahead with FP8 KV (1.04-1.06x at b128, 1.06-1.08x at b 1/16) and at b1 h16 bf16 (35.3 vs 31.0 us); from 17
-  rows the CuTe DSL kernel is ahead (h32: 1.07-1.13x bf16, 1.18-1.20x FP8; h64/h128: 1.10-1.25x bf16);
+- against `cutedsl_mla`, Triton's keys-on-M kernel takes steps of up to 16 rows over 16-bit caches: level or
+  ahead at h16 (b 128: 0.99-1.04x; b 1/4/16 level; h200-20261201-e1ffa47-dirty-dense-cutedsl-triton-
+  flashinfer.json); over the FP8 cache the CuTe DSL's FP8-MMA kernel has pulled ahead (b128 h16 1.12-1.18x,
+  b 4/16 1.06/1.15x; b 1 0.93x; that run against Triton's of h200-20261201-291a5c8-dense-triton-flashinfer.json),
+  so it keeps them; from 17 rows the CuTe DSL kernel is ahead or level (h32 bf16 0.94-1.07x against Triton's
+  64-row seesaw, FP8 1.05-1.11x; h64/h128: 1.00-1.08x bf16);
 - against `triton` (a primary only where the CuTe DSL cannot run), FlashInfer wins from 65 rows on, by less
   than before Triton's 64-row kernel became a seesaw (h200-20261201-e1ffa47-dirty-dense-cutedsl-triton-
   flashinfer.json, bench/NOTES.md item 80): Triton at 0.96-0.97x at h 128 s_q 1, 0.94-1.00x at 256 rows and
   0.95-0.98x at h 64 s_q 2 (128 rows); up to 64 rows Triton keeps the steps: 1.04-1.11x FlashInfer at h 16
-  (b 128; 1.03-1.95x at b 16/4/1), 0.94-0.97x at h 32 (32 rows) and 0.99-1.09x at h 64 (64 rows: 1.03-1.12x at
-  h 32 s_q 2); the CuTe DSL kernel would take the steps from 17 rows. With variable lengths (uniform in [s/2,
+  (b 128; 1.03-1.95x at b 16/4/1), 1.01-1.11x at h 32 (32 rows, the seesaw since bench/NOTES.md 83; h200-
+  20261201-97072e9-dense-triton-flashinfer.json) and 0.99-1.09x at h 64 (64 rows: 1.03-1.12x at h 32 s_q 2); the
+  CuTe DSL kernel would take the steps from 17 rows. With variable lengths (uniform in [s/2,
   3s/2]) and Triton's grids taking requests longest first, Triton is ahead at 64-256 rows (1.08-1.31x): the rule
   follows the fixed-length shapes; which regime a step is in would need its lengths' spread at plan time.
 Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
@@ -33,10 +37,15 @@ from mlaserve.attention.batch import BatchLayout, ForwardMode
 @dataclass(frozen=True)
 class DecodeRule:
     """The DECODE steps a peer takes from a primary: those with `min_rows` .. `max_rows` query rows (heads x new
-    tokens) per request and at most `max_batch` requests (None: no bound)."""
+    tokens) per request and at most `max_batch` requests (None: no bound), over caches of `kv` ("16bit" or "fp8";
+    None: either)."""
     min_rows: int
     max_batch: int | None = None
     max_rows: int | None = None
+    kv: str | None = None
+
+    def applies_to(self, config: BackendConfig) -> bool:
+        return self.kv is None or self.kv == ("fp8" if config.kv_cache_dtype == "fp8_e4m3" else "16bit")
 
     def takes(self, rows: int, batch: int) -> bool:
         return (rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows)
@@ -45,7 +54,7 @@ class DecodeRule:
 
 # primary name -> {peer name: rule}, from the measurements in the module docstring
 DECODE_RULES: dict[str, dict[str, DecodeRule]] = {
-    "cutedsl_mla": {"triton": DecodeRule(min_rows=1, max_rows=16)},
+    "cutedsl_mla": {"triton": DecodeRule(min_rows=1, max_rows=16, kv="16bit")},
     "triton": {"flashinfer": DecodeRule(min_rows=65), "cutedsl_mla": DecodeRule(min_rows=17)},
 }
 
@@ -65,7 +74,7 @@ class AutoBackend(AttentionBackend):
         DECODE steps here, in order of preference; each takes the steps its DECODE_RULES entry names."""
         super().__init__(config)
         self.primary = primary
-        rules = DECODE_RULES.get(primary.name, {})
+        rules = {name: rule for name, rule in DECODE_RULES.get(primary.name, {}).items() if rule.applies_to(config)}
         self.decode_peers = tuple(p for p in decode_peers if p.name in rules)
         self._rules = [(p, rules[p.name]) for p in self.decode_peers]
 
