@@ -216,10 +216,16 @@ def test_gluon_64_row_kernels_bf16(monkeypatch, seesaw, b, s_q, h, num_splits):
     consumer's), a one-page and an empty request, partial last pages, padded rows (h 20 s_q 3), splits."""
     from mlaserve.kernels.triton import mla_decode_gluon_seesaw
     monkeypatch.setattr(mla_decode_gluon_seesaw, "SEESAW", seesaw)
+    _check_ragged_pages(b, s_q, h, "bf16", num_splits, seed=b * 31 + h)
+
+
+def _check_ragged_pages(b, s_q, h, kv_kind, num_splits, seed):
+    """b requests of ~3000 tokens, odd and even page counts and partial last pages, the 2nd and 3rd (b > 2) of one
+    page and empty, through the triton backend with `num_splits`, against the reference."""
     lens = [3000 + 64 * i + 17 * (i % 2) for i in range(b)]
     if b > 2:
         lens[1], lens[2] = 40, 0
-    q, kv, table, seqlens = _case(lens, 64, s_q, h, "bf16", seed=b * 31 + h)
+    q, kv, table, seqlens = _case(lens, 64, s_q, h, kv_kind, seed=seed)
     out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton",
                               num_splits=num_splits)
     _check(out, lse, q, kv, table, seqlens, list(range(b)))
@@ -234,13 +240,7 @@ def test_gluon_fp8_narrow_both_forms(monkeypatch, dequant_wg, b, s_q, h, num_spl
     splits too short for the FP8-MMA kernel."""
     from mlaserve.kernels.triton import mla_decode_gluon_narrow
     monkeypatch.setattr(mla_decode_gluon_narrow, "DEQUANT_WG", dequant_wg)
-    lens = [3000 + 64 * i + 17 * (i % 2) for i in range(b)]
-    if b > 2:
-        lens[1], lens[2] = 40, 0
-    q, kv, table, seqlens = _case(lens, 64, s_q, h, "fp8", seed=b * 37 + h)
-    out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton",
-                              num_splits=num_splits)
-    _check(out, lse, q, kv, table, seqlens, list(range(b)))
+    _check_ragged_pages(b, s_q, h, "fp8", num_splits, seed=b * 37 + h)
 
 
 def test_more_requests_than_a_grid_axis_holds():
