@@ -40,9 +40,9 @@ with one compute warpgroup (decode_ab, bench/NOTES.md 84): FP8 at 32 rows 1.28-1
 at b 1/4/16; at 16 rows 1.03-1.04x the dequantizer beside two compute warpgroups (b 1/4, b 128 s_k 1024). What
 bounded FP8 before (16 rows, two compute warpgroups): from L2 (scripts/chain_rate.py, NARROW_POOL) a page took
 1.92 us with the dequantizing warpgroup and 2.07 in place against bf16's 1.34, the same as from HBM: the chain,
-not the loads. A second dequantizing warpgroup, k_pe in its own 3-deep ring and
-an L2 prefetch of the pages ahead measured no faster; overlapping the next page's dequantize with O^T (in
-place) 9% slower, K from registers 10-15% slower (branch wip/fp8-dequant-variants).
+not the loads. A second dequantizing warpgroup, k_pe in its own 3-deep ring and an L2 prefetch of the pages
+ahead measured no faster; overlapping the next page's dequantize with O^T (in place) 9% slower, K from registers
+10-15% slower (branch wip/fp8-dequant-variants).
 """
 
 import torch
@@ -242,7 +242,7 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
         gl.thread_barrier()                       # kbuf and P^T are free for the next page
         if not DEQUANT_HERE:
-            mbarrier.arrive(empty.index(s))       # the stage is done with (the ring has 2 arrivals a fill)
+            mbarrier.arrive(empty.index(s))       # the stage is done with (an arrival per compute warpgroup)
 
     inv_l, lse = finish_rows(m_i, gl.sum(l_acc, 0), ROW_S)
     row_ok = rows < ROWS
