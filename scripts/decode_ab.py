@@ -39,7 +39,7 @@ switches, read at launch (so captured with each graph):
   DEQUANT_WG        triton: FP8 pages at <= 32 rows dequantized by their own warpgroup beside one compute
                     warpgroup against two compute warpgroups dequantizing them in place
   TRITON_FP8_MMA_OFF  triton: FP8 steps of <= 16 rows all through the dequantizing warpgroup against the default
-                    (the FP8-MMA kernel where splits span >= 32 pages)
+                    (the FP8-MMA kernel for s_q 1, unsplit from 32 pages or in runs of >= 64)
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
@@ -106,7 +106,7 @@ def _seesaw_32_rows(on: bool):
 
 def _triton_fp8_mma_off(on: bool):
     """triton FP8 steps of <= 16 rows all through the dequantizing warpgroup (the FP8-MMA kernel never) against the
-    default (mla_decode_plan.uses_fp8_mma: the FP8-MMA kernel where splits span >= fp8_mma_min_pages pages)."""
+    default (mla_decode_plan.uses_fp8_mma: the FP8-MMA kernel for s_q 1 and long enough splits)."""
     plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
     cfg = _triton_fp8_mma_off.__dict__.setdefault("cfg", plan.DEFAULT_CONFIGS[(16, "fp8")])
     plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=0) if on else cfg
