@@ -34,8 +34,8 @@ from mlaserve.kernels import fp8_format
 tk = importlib.import_module("mlaserve.kernels.triton.mla_decode")
 KERNELS = {m.rsplit(".", 1)[-1]: importlib.import_module(m) for m in os.environ.get(
     "NARROW_KERNELS", "mlaserve.kernels.triton.mla_decode_gluon_narrow").split(",")}
-# kinds timed per kernel: bf16 | fp8 (the entry's default) | fp8:inline (FP8 dequantized by the compute warpgroups;
-# the default from 17 rows, where the dequantizing warpgroup's two bf16 tiles do not fit)
+# kinds timed per kernel: bf16 | fp8 (the entry's default: the dequantizing warpgroup) | fp8:inline (FP8 dequantized
+# in place by two compute warpgroups)
 VARIANTS = os.environ.get("NARROW_VARIANTS", "bf16,fp8,fp8:inline").split(",")
 # NARROW_POOL=N: every block-table entry drawn from N pages (L2-resident after the first touch: the kernel's own
 # per-page chain, as scripts/chain_rate.py measures it) instead of each request's own pages
@@ -71,8 +71,8 @@ def check() -> int:
         print(f"-- {name}, FP8", flush=True)
         failed += check_shapes(cases, make_fp8_case, lambda *a, gk=gk: run(*a, gk=gk),
                                lambda kv: fp8_format.dequantize(kv).double())
-        print(f"-- {name}, FP8 dequantized by the compute warpgroups (<= 16 rows; the default from 17)", flush=True)
-        failed += check_shapes([c for c in cases if c[1] * c[2] <= 16], make_fp8_case,
+        print(f"-- {name}, FP8 dequantized by the compute warpgroups (in place)", flush=True)
+        failed += check_shapes(cases, make_fp8_case,
                                lambda *a, gk=gk: run(*a, gk=gk, dequant_warpgroup=False),
                                lambda kv: fp8_format.dequantize(kv).double())
     return failed
@@ -103,8 +103,6 @@ def timings() -> None:
             for kind in (VARIANTS if name in KERNELS else ("bf16", "fp8")):
                 fp8 = kind != "bf16"
                 opts = {"dequant_warpgroup": False} if kind == "fp8:inline" else {}
-                if opts and s_q * h > 16:
-                    continue       # from 17 rows the in-place dequantize is the default: timed as "fp8"
 
                 def step():
                     for q, kv16, kv8, table, seqlens in sets:
