@@ -40,6 +40,9 @@ switches, read at launch (so captured with each graph):
                     warpgroup against two compute warpgroups dequantizing them in place
   TRITON_FP8_MMA_OFF  triton: FP8 steps of <= 16 rows all through the dequantizing warpgroup against the default
                     (the FP8-MMA kernel for s_q 1, unsplit from 32 pages or in runs of >= 64)
+  MIN_SPLITS        triton: at least $DA_MIN_SPLITS (default 2) KV splits a request, against the plan's count
+  BALANCED_SPLITS   triton: the plan's split count from the requests' host lengths (two splits where variable
+                    lengths leave SMs idle: mla_decode_plan.balanced_splits) against from shapes only
 
     python scripts/decode_ab.py
     python scripts/decode_ab.py --switch LONGEST_FIRST --shapes "b128 h128 sk4096 var,b128 h128 sq2 sk4096 var"
@@ -112,6 +115,15 @@ def _triton_fp8_mma_off(on: bool):
     plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=0) if on else cfg
 
 
+def _min_splits(on: bool):
+    """At least DA_MIN_SPLITS KV splits a request (split grids of more than one wave are ordered longest first)
+    against the plan's split count."""
+    plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
+    saved = _min_splits.__dict__.setdefault("saved", plan.choose_num_splits)
+    n = int(os.environ.get("DA_MIN_SPLITS", "2"))
+    plan.choose_num_splits = (lambda *args: max(n, saved(*args))) if on else saved
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -136,6 +148,8 @@ SWITCHES = {
     "SEESAW_32_ROWS": ("triton", _seesaw_32_rows),
     "DEQUANT_WG": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "DEQUANT_WG")),
     "TRITON_FP8_MMA_OFF": ("triton", _triton_fp8_mma_off),
+    "MIN_SPLITS": ("triton", _min_splits),
+    "BALANCED_SPLITS": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_plan", "BALANCE_SPLITS")),
 }
 
 

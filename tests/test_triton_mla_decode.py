@@ -175,8 +175,21 @@ def test_grid_of_several_waves_takes_requests_longest_first(v_split):
     q = torch.randn(len(lens), 2, 3, 80, generator=gen).to(torch.float16)
     config = MLADecodeConfig(block_h=16, block_n=32, v_split=v_split, num_warps=4)
     assert grid_order(seqlens, len(lens) * v_split, 1) is not None and grid_order(seqlens, 8, 1) is None
-    assert grid_order(seqlens, len(lens) * v_split, 2) is None, "split steps fill one wave: no order"
+    assert grid_order(seqlens, 4, 2) is None, "small batches' splits fill one wave: no order"
     check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=1, config=config)
+
+
+def test_split_grid_of_several_waves_takes_requests_longest_first():
+    """Two KV splits of 6 requests on the CPU stand-in's 8 SMs (what balanced_splits plans for variable
+    lengths): 12 programs, ordered longest first, each split's partial in its request's slot of the workspace."""
+    from mlaserve.kernels.triton.work_order import grid_order
+    gen = torch.Generator().manual_seed(17)
+    lens = [40, 300, 0, 129, 7, 300]
+    kv, table, seqlens = make_paged(lens, 32, 80, torch.float16, gen)
+    q = torch.randn(len(lens), 2, 3, 80, generator=gen).to(torch.float16)
+    assert grid_order(seqlens, len(lens), 2) is not None
+    check_against_reference(q, kv, table, seqlens, 0.1, 64, num_splits=2,
+                            config=MLADecodeConfig(block_h=16, block_n=32, num_warps=4))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -327,6 +340,49 @@ def test_graph_workspace_covers_every_batch_size_under_the_seesaw_rule(h200_plan
     assert configs == {32, 64}
 
 
+def test_host_lengths_split_variable_batches_of_one_wave(h200_planning):
+    """With the requests' lengths on the host, a step whose programs fit one wave splits every request in two when
+    the lengths vary enough for the halves to balance the SMs (mla_decode_plan.balanced_splits), and not at fixed
+    or nearly fixed lengths, short contexts, several waves or small batches (their splits come from shapes)."""
+    p, cpu = h200_planning, torch.device("cpu")
+    gen = torch.Generator().manual_seed(86)
+
+    def lens(b, s, spread):
+        return (s + (torch.rand(b, generator=gen) * 2 - 1) * spread * s).long().tolist()
+
+    def splits(b, h, seqlens, kv_fp8=False, s_q=1):
+        max_pages = -(-max(seqlens) // 64)
+        return plan_mla_decode(b, s_q, h, 512, max_pages, 64, kv_fp8, cpu, seqlens=seqlens).num_splits
+
+    for s in (4096, 8192, 32768):
+        var = lens(128, s, 0.5)
+        assert splits(128, 16, var) == 2 and splits(128, 32, var, True) == 2 and splits(128, 32, var, s_q=2) == 2
+        assert splits(100, 64, var[:100]) == 2
+        assert splits(128, 16, [s] * 128) == 1 and splits(128, 64, [s] * 128, True) == 1
+        assert splits(128, 16, lens(128, s, 0.05)) == 1
+        assert splits(128, 128, var) == 1, "two 64-row programs a request: two waves, ordered instead"
+    one_long = [8192] * 127 + [16384]
+    assert splits(128, 16, one_long) == 2
+    assert splits(128, 16, lens(128, 1024, 0.5)) == 1, "mean under BALANCE_MIN_PAGES: unmeasured, no balancing"
+    small = lens(4, 32768, 0.5)
+    assert splits(4, 16, small) == plan_mla_decode(4, 1, 16, 512, 512, 64, False, cpu).num_splits > 2
+    assert plan_mla_decode(128, 1, 16, 512, 192, 64, False, cpu).num_splits == 1, "without lengths: shapes only"
+    with pytest.raises(ValueError, match="seqlens must have b = 128 entries, got 3"):
+        plan_mla_decode(128, 1, 16, 512, 192, 64, False, cpu, seqlens=[1, 2, 3])
+    p.BALANCE_SPLITS = False
+    try:
+        assert splits(128, 16, lens(128, 8192, 0.5)) == 1
+    finally:
+        p.BALANCE_SPLITS = True
+
+
+def test_lpt_makespan():
+    from mlaserve.kernels.triton.mla_decode_plan import lpt_makespan
+    assert lpt_makespan([5, 4, 3, 3, 3], 2) == 10     # longest first: 5 + 3 and 4 + 3 + 3
+    assert lpt_makespan([7, 1, 1], 4) == 7 and lpt_makespan([], 3) == 0
+    assert lpt_makespan([2] * 6, 3) == 4
+
+
 def test_17_to_32_bf16_rows_keep_the_narrow_kernel_off_hopper():
     from mlaserve.kernels.triton import mla_decode_plan as p
     assert p.decode_config(128, 1, 32, 64, 64, False, torch.device("cpu")) == p.DEFAULT_CONFIGS[(32, "bf16")]
@@ -408,6 +464,21 @@ def test_backend_mla_matches_torch_backend(prefix_lens, extend_lens):
     ref = torch_backend.mla(q.float(), kv.float(), layout, torch_backend.plan(layout), 0.12, 64)
     torch.testing.assert_close(out.float(), ref, **TOL[torch.float16])
     assert meta.s_q == (3 if extend_lens == [3, 3] else 1)
+
+
+def test_backend_plans_decode_splits_from_the_steps_host_lengths(h200_planning):
+    """The backend's plan hands the step's lengths to the kernel's planner: a DECODE step of 128 variable lengths
+    is split in two (balanced_splits), one of fixed lengths is not; per-token EXTEND views plan from shapes."""
+    backend = registry.create("triton", _config(num_heads=16, rank=512, rope=64))
+    gen = torch.Generator().manual_seed(7)
+    var = (8192 * (0.5 + torch.rand(128, generator=gen))).long().tolist()
+    for lens, want in ((var, 2), ([8192] * 128, 1)):
+        tables = [list(range(1 + 128 * i, 1 + 128 * i + -(-n // 64))) for i, n in enumerate(lens)]
+        layout = BatchLayout.build([n - 1 for n in lens], [1] * 128, tables, 64, "cpu")
+        assert backend.plan(layout).decode_plan.num_splits == want
+    ragged = BatchLayout.build([8000, 100], [5, 3], [list(range(1, 127)), [200, 201]], 64, "cpu")
+    meta = backend.plan(ragged)
+    assert meta.s_q == 1 and meta.decode_plan.max_batch == 8
 
 
 def test_backend_mha_and_extend_choice():

@@ -93,14 +93,19 @@ class TritonBackend(AttentionBackend):
             return max(lens, default=1), layout.block_table, layout.cache_seqlens
         return 1, layout.token_block_table, layout.token_seqlens
 
-    def _plan_kernel(self, b: int, s_q: int, max_pages: int, page_size: int, workspace=None):
+    def _plan_kernel(self, b: int, s_q: int, max_pages: int, page_size: int, workspace=None, host_seqlens=None):
         return self._decode.plan_mla_decode(
             b, s_q, self.config.num_heads, self.config.kv_lora_rank, max_pages, page_size,
-            self.config.kv_cache_dtype == "fp8_e4m3", self.config.device, workspace=workspace)
+            self.config.kv_cache_dtype == "fp8_e4m3", self.config.device, workspace=workspace,
+            seqlens=host_seqlens)
 
     def plan(self, layout: BatchLayout) -> TritonMeta:
         s_q, block_table, seqlens = self._rows(layout)
-        decode_plan = self._plan_kernel(block_table.shape[0], s_q, block_table.shape[1], layout.page_size)
+        # per-request rows: the step's lengths on the host let the kernel's splits balance them (a plan made here
+        # serves this step only; CUDA-graph plans stay shape-only)
+        host = layout.seq_lens if block_table is layout.block_table else None
+        decode_plan = self._plan_kernel(block_table.shape[0], s_q, block_table.shape[1], layout.page_size,
+                                        host_seqlens=host)
         return TritonMeta(s_q, block_table, seqlens, decode_plan)
 
     # -- dense MLA --

@@ -243,6 +243,27 @@ def test_gluon_fp8_narrow_both_forms(monkeypatch, dequant_wg, b, s_q, h, num_spl
     _check_ragged_pages(b, s_q, h, "fp8", num_splits, seed=b * 37 + h)
 
 
+@pytest.mark.parametrize("s_q, h, kv_kind", [(1, 16, "bf16"), (1, 16, "fp8"), (1, 32, "bf16"), (1, 32, "fp8"),
+                                             (2, 16, "fp8"), (1, 64, "bf16"), (1, 64, "fp8")])
+def test_balanced_splits_over_variable_lengths(s_q, h, kv_kind):
+    """A step of about one wave of requests with variable lengths, planned from its host lengths: two KV splits a
+    request, the split grid taking the requests longest first (work_order.grid_order), through each kernel of
+    <= 64 rows (narrow bf16, FP8-MMA, seesaw, narrow FP8, the 64-row FP8 kernel); an empty and a one-page request
+    among them. Requests across the length order are checked against the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    b = sms - 4
+    gen = torch.Generator().manual_seed(b + h + s_q)
+    lens = torch.randint(4096, 12289, (b,), generator=gen).tolist()
+    lens[3], lens[5] = 0, 50
+    q, kv, table, seqlens = _case(lens, 64, s_q, h, kv_kind, seed=h * 7 + s_q)
+    plan = tk.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, kv_kind == "fp8", "cuda", seqlens=lens)
+    assert plan.num_splits == 2
+    out, lse = ops.mla_decode(q, kv, table, seqlens, SCALE, causal=True, head_dim_v=512, backend="triton",
+                              plan=plan)
+    by_length = sorted(range(b), key=lambda i: lens[i])
+    _check(out, lse, q, kv, table, seqlens, sorted({3, 5, *by_length[-4:], *by_length[b // 2:b // 2 + 2], b - 1}))
+
+
 def test_more_requests_than_a_grid_axis_holds():
     """70000 one-token rows (an EXTEND step run per token): b exceeds the 65535 of CUDA's 2nd/3rd grid axes."""
     b, page_size = 70000, 64

@@ -127,10 +127,13 @@ def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, 
 
 def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,
                     device: torch.device | str, num_splits: int | None = None,
-                    config: MLADecodeConfig | None = None, workspace: torch.Tensor | None = None) -> MLADecodePlan:
+                    config: MLADecodeConfig | None = None, workspace: torch.Tensor | None = None,
+                    seqlens=None) -> MLADecodePlan:
     """Host work for a decode step (split count, split workspace), as mla_decode_plan.plan_mla_decode.
 
-    `config` must be None or this kernel's CONFIG (the signature is the Triton planner's).
+    `config` must be None or this kernel's CONFIG (the signature is the Triton planner's). `seqlens` (host lengths)
+    is taken and not used: the split count here comes from shapes, and variable lengths are balanced on the GPU
+    (persistent launches taking requests longest first, stream-K).
     """
     if page_size != PAGE_SIZE or head_dim_v != HEAD_DIM_V:
         raise ValueError(f"the cutedsl MLA decode plans page_size {PAGE_SIZE}, head_dim_v {HEAD_DIM_V}; "
@@ -451,7 +454,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
                   else torch.arange(b, dtype=torch.int32, device=q.device))
     narrow = fp8_narrow_cols(s_q * h) if kv_fp8 else 0
     order = None
-    if kv_fp8 and not narrow and LONGEST_FIRST:
+    if kv_fp8 and not narrow and LONGEST_FIRST and not split:    # the order rides in po's slot: unsplit steps only
         order = grid_order(cache_seqlens, b * triton.cdiv(s_q * h, TILE_M), plan.num_splits)
         if order is not None:
             po = order

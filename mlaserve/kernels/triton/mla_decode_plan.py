@@ -1,8 +1,11 @@
 """Host-side planning of the Triton MLA decode (kernels/triton/mla_decode.py): launch configs,
-the KV split count from shapes only (CUDA-graph safe), and the split workspace."""
+the KV split count from shapes (CUDA-graph safe) or, where the caller has them on the host, from the requests'
+lengths too (`balanced_splits`), and the split workspace."""
 
 import functools
+import heapq
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import triton
@@ -174,6 +177,44 @@ def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, 
                             triton.cdiv(config.min_split_tokens, config.block_n), config.max_splits)
 
 
+# Variable lengths at about one wave of programs (bench/NOTES.md 86): b 128 requests of 16-64 rows run one program
+# each, one wave on the H200's 132 SMs, so the longest request sets the step's time (~1.5x the mean with lengths
+# uniform in [s/2, 3s/2]) while the SMs of short ones idle. Two KV splits a request and the grid taking the
+# requests longest first (work_order.grid_order) let the halves fill those SMs: decode_ab on the H200, s_k 8192
+# variable, 1.39x (FP8 h 32 and h 64), 1.34x (FP8 h 16 s_q 2), 1.26x / 1.21x (bf16 h 32 / h 64), 1.20x (FP8 h 16),
+# 1.10x (bf16 h 16; 1.45x at FP8 h 64 s_k 32768); at fixed lengths the same splits cost 0.90-0.95x. So the plan
+# splits where a list-scheduling estimate of the step says so: the longest-first makespan over the SMs of the
+# items (requests, or their halves) in pages, each plus BALANCE_ITEM_PAGES for its start and end, the split
+# step's charged BALANCE_SPLIT_COST more for the partials and their combine (which puts fixed lengths at the
+# measured 0.92x), and the split taken where it gains BALANCE_MIN_GAIN by that estimate.
+BALANCE_SPLITS = True
+BALANCE_ITEM_PAGES = 2
+BALANCE_SPLIT_COST = 1.08
+BALANCE_MIN_GAIN = 1.05
+BALANCE_MIN_PAGES = 48    # mean pages a request: below it (unmeasured) no balancing
+
+
+def lpt_makespan(items: Sequence[float], slots: int) -> float:
+    """The time of `items` on `slots` identical workers taken longest first, each to the least loaded worker
+    (what a grid of more programs than SMs, ordered longest first, does)."""
+    loads = [0.0] * slots
+    for w in sorted(items, reverse=True):
+        heapq.heapreplace(loads, loads[0] + w)
+    return max(loads)
+
+
+def balanced_splits(programs_per_request: int, sms: int, pages: Sequence[int]) -> int:
+    """KV splits a request (1 or 2) for a step of requests of `pages` pages each (host lengths) whose programs fit
+    one wave (programs <= sms; grids of several waves are ordered longest first instead): 2 where the
+    list-scheduling estimate (module comment above) says that halves run the step BALANCE_MIN_GAIN faster."""
+    b = len(pages)
+    if not BALANCE_SPLITS or b * programs_per_request > sms or sum(pages) < BALANCE_MIN_PAGES * b:
+        return 1
+    whole = lpt_makespan([p + BALANCE_ITEM_PAGES for p in pages for _ in range(programs_per_request)], sms)
+    halves = [-(-p // 2) + BALANCE_ITEM_PAGES for p in pages for _ in range(2 * programs_per_request)]
+    return 2 if lpt_makespan(halves, sms) * BALANCE_SPLIT_COST * BALANCE_MIN_GAIN < whole else 1
+
+
 @dataclass
 class MLADecodePlan:
     """What one `mla_decode` launch needs besides its inputs; built on the host by `plan_mla_decode`."""
@@ -193,19 +234,27 @@ def workspace_numel(b: int, rows: int, head_dim_v: int, num_splits: int) -> int:
 
 def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,
                     device: torch.device | str, num_splits: int | None = None, config: MLADecodeConfig | None = None,
-                    workspace: torch.Tensor | None = None) -> MLADecodePlan:
+                    workspace: torch.Tensor | None = None, seqlens: Sequence[int] | None = None) -> MLADecodePlan:
     """Host work for a decode step: config, split count and the split workspace.
 
     `workspace` (fp32, flat, at least `workspace_numel` elements) lets several plans share one
-    static buffer (CUDA graphs); without it the workspace is allocated here.
+    static buffer (CUDA graphs); without it the workspace is allocated here. `seqlens`: the b requests' cached
+    tokens (new ones included) on the host, where the caller has them (as FlashInfer's plan takes them): the
+    split count may then balance variable lengths (`balanced_splits`); the plan then serves steps of those
+    lengths (or as varied), not a CUDA graph replayed over any.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())   # so that "cuda" equals "cuda:0" below
     rows = s_q * h
     config = config or decode_config(b, s_q, h, max_pages, page_size, kv_fp8, device)
+    if seqlens is not None and len(seqlens) != b:
+        raise ValueError(f"seqlens must have b = {b} entries, got {len(seqlens)}")
     if num_splits is None:
         num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
+        if num_splits == 1 and seqlens is not None:
+            per = triton.cdiv(rows, config.block_h) * config.v_split
+            num_splits = balanced_splits(per, _num_sms(device), [-(-int(n) // page_size) for n in seqlens])
     if not 1 <= num_splits <= 4 * _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {4 * _MAX_SPLITS}], got {num_splits}")
     partial_out = partial_lse = None

@@ -57,7 +57,9 @@ def longest_first(lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 def grid_order(cache_seqlens: torch.Tensor, programs: int, num_splits: int) -> torch.Tensor | None:
     """The longest-first order for a grid kernel of `programs` programs per split, request-major, or None where
-    the order cannot matter: split steps (their split count fills one wave) and grids of one wave."""
-    if num_splits > 1 or programs <= _num_sms(cache_seqlens.device):
+    the order cannot matter: grids of one wave (small batches' splits are counted to fill one). The hardware
+    starts a grid's programs split by split, so with two splits of requests longest first the second halves
+    follow the first ones longest first too (mla_decode_plan.balanced_splits)."""
+    if programs * num_splits <= _num_sms(cache_seqlens.device):
         return None
     return longest_first(cache_seqlens)
