@@ -166,9 +166,10 @@ def prepare_ops(name: str, shape: Shape, inputs) -> Prepared:
         di: DenseInputs = inputs
         p = di.paging
         if name == "triton" and di.q[0].device.type == "cuda":
-            plan = _triton_host_plan(shape, p, di.q[0].device)
+            splits = _triton_host_splits(shape, p, di.q[0].device)
             return Prepared([lambda q=q, kv=kv: ops.mla_decode(q, kv, p.block_table, p.seqlens, di.scale, causal=True,
-                                                               head_dim_v=shape.d_v, backend=name, plan=plan())
+                                                               head_dim_v=shape.d_v, backend=name,
+                                                               num_splits=splits())
                              for q, kv in zip(di.q, di.kv)])
         return Prepared([_bind(ops.mla_decode, q, kv, p.block_table, p.seqlens, di.scale, causal=True,
                                head_dim_v=shape.d_v, backend=name) for q, kv in zip(di.q, di.kv)])
@@ -187,22 +188,23 @@ def prepare_ops(name: str, shape: Shape, inputs) -> Prepared:
     return prepared
 
 
-def _triton_host_plan(shape: DenseShape, paging, device: torch.device) -> Callable[[], object]:
-    """The triton decode's plan made from the requests' lengths on the host, as the triton attention backend makes
-    it each step (and FlashInfer's peer plans with its host lengths): a getter, the plan made here, outside any
-    timing, and again only when mla_decode_plan.BALANCE_SPLITS changes (decode_ab's BALANCED_SPLITS switch)."""
+def _triton_host_splits(shape: DenseShape, paging, device: torch.device) -> Callable[[], int]:
+    """The triton decode's split count planned from the requests' lengths on the host, as the triton attention
+    backend plans each step (and FlashInfer's peer plans with its host lengths): a getter, the count worked out
+    here, outside any timing, and again only when mla_decode_plan.BALANCE_SPLITS changes (decode_ab's
+    BALANCED_SPLITS switch). Each call still makes its own plan (workspace) from that count, as without it."""
     from mlaserve.kernels.triton import mla_decode_plan
-    plans = {}
+    counts = {}
 
-    def plan():
+    def splits() -> int:
         key = mla_decode_plan.BALANCE_SPLITS
-        if key not in plans:
-            plans[key] = mla_decode_plan.plan_mla_decode(
+        if key not in counts:
+            counts[key] = mla_decode_plan.plan_mla_decode(
                 shape.b, shape.s_q, shape.h, shape.d_v, paging.block_table.shape[1], paging.page_size,
-                shape.kv == "fp8", device, seqlens=paging.seqlens_cpu.tolist())
-        return plans[key]
-    plan()
-    return plan
+                shape.kv == "fp8", device, seqlens=paging.seqlens_cpu.tolist()).num_splits
+        return counts[key]
+    splits()
+    return splits
 
 
 def _bind(fn, *args, **kwargs) -> Callable[[], object]:
