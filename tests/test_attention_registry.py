@@ -7,6 +7,7 @@ from mlaserve.attention import registry
 from mlaserve.attention.auto_backend import AutoBackend
 from mlaserve.attention.base import AttentionBackend, BackendConfig
 from mlaserve.attention.batch import BatchLayout, ForwardMode
+from mlaserve.attention.triton_backend import TritonBackend
 from mlaserve.engine.config import EngineConfig
 
 
@@ -32,6 +33,10 @@ class _Fake(AttentionBackend):
 
     def plan(self, layout):
         return f"{self.name}-plan"
+
+    def splits_for_balance(self, layout):
+        """A triton peer's answer for the auto rules that follow it (`varied`): the real planner's."""
+        return TritonBackend.splits_for_balance(self, layout)
 
     def mla(self, q, kv_cache, layout, meta, softmax_scale, head_dim_v):
         return (self.name, meta)
@@ -96,12 +101,12 @@ def test_auto_primary_and_decode_peers_are_those_that_run_here(monkeypatch, runn
 
 
 def test_auto_with_cutedsl_primary_keeps_fp8_steps():
-    """Over the FP8 cache the CuTe DSL's kernels keep every decode step (its FP8-MMA kernel is ahead of Triton's at
-    <= 16 rows); over 16-bit caches Triton takes those steps."""
+    """Over the FP8 cache the CuTe DSL's kernels keep the decode steps (its FP8-MMA kernel is ahead of Triton's at
+    <= 16 rows) but those of varied lengths (the next test); over 16-bit caches Triton takes those steps."""
     fp8 = BackendConfig(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                         kv_cache_dtype="fp8_e4m3", device=torch.device("cpu"))
     auto = AutoBackend(fp8, _Fake(fp8, "cutedsl_mla"), (_Fake(fp8, "triton"),))
-    assert auto.decode_peers == ()
+    assert [p.name for p in auto.decode_peers] == ["triton"]     # for steps of varied lengths only
     layout = BatchLayout.build([4] * 8, [1] * 8, [[1]] * 8, 64, "cpu")
     assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == "cutedsl_mla"
     bf16 = _cfg(16)
@@ -127,3 +132,32 @@ def test_auto_with_cutedsl_primary_gives_peers_their_decode_steps(heads, s_q, ba
     if s_q > 1:    # DECODE-mode steps carry one token each; s_q new tokens arrive as a uniform EXTEND
         layout = BatchLayout.build([4] * batch, [s_q] * batch, [[1]] * batch, 64, "cpu", mode=ForwardMode.DECODE)
     assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == want
+
+
+@pytest.mark.parametrize("heads,kv,lengths,want", [
+    (32, "auto", "varied", "triton"),          # 17-64 rows, variable lengths: Triton's balanced splits
+    (64, "auto", "varied", "triton"),
+    (32, "fp8_e4m3", "varied", "triton"),
+    (16, "fp8_e4m3", "varied", "triton"),
+    (32, "auto", "fixed", "cutedsl_mla"),       # fixed lengths: the CuTe DSL kernel keeps them
+    (16, "fp8_e4m3", "fixed", "cutedsl_mla"),
+    (16, "auto", "fixed", "triton"),            # <= 16 rows over 16-bit caches: Triton's anyway
+    (128, "auto", "varied", "cutedsl_mla"),     # two 64-row programs a request: nothing to balance
+])
+def test_auto_gives_triton_the_varied_decode_steps_of_a_cutedsl_primary(monkeypatch, heads, kv, lengths, want):
+    """With a CuTe DSL primary, Triton takes the DECODE steps of <= 64 rows whose host lengths vary enough for its
+    planner to split them (mla_decode_plan.balanced_splits; planning as on an H200's 132 SMs)."""
+    from mlaserve.kernels.triton import mla_decode_plan
+    monkeypatch.setattr(mla_decode_plan, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(mla_decode_plan, "_num_sms", lambda device: 132)
+    mla_decode_plan.choose_num_splits.cache_clear()
+    cfg = BackendConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        kv_cache_dtype=kv, device=torch.device("cpu"))
+    auto = AutoBackend(cfg, _Fake(cfg, "cutedsl_mla"), (_Fake(cfg, "triton"),))
+    gen = torch.Generator().manual_seed(heads)
+    lens = ((8192 * (0.5 + torch.rand(128, generator=gen))).long().tolist() if lengths == "varied"
+            else [8192] * 128)
+    tables = [list(range(1 + 192 * i, 1 + 192 * i + -(-n // 64))) for i, n in enumerate(lens)]
+    layout = BatchLayout.build([n - 1 for n in lens], [1] * 128, tables, 64, "cpu")
+    assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == want
+    mla_decode_plan.choose_num_splits.cache_clear()

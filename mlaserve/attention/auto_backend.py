@@ -25,7 +25,12 @@ h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-202
   20261201-97072e9-dense-triton-flashinfer.json) and 0.99-1.09x at h 64 (64 rows: 1.03-1.12x at h 32 s_q 2); the
   CuTe DSL kernel would take the steps from 17 rows. With variable lengths (uniform in [s/2,
   3s/2]) and Triton's grids taking requests longest first, Triton is ahead at 64-256 rows (1.08-1.31x): the rule
-  follows the fixed-length shapes; which regime a step is in would need its lengths' spread at plan time.
+  follows the fixed-length shapes;
+- with variable lengths at <= 64 rows, Triton's kernels split in two where the step's host lengths leave SMs
+  idle (mla_decode_plan.balanced_splits, bench/NOTES.md 86) and run 1.10-1.41x the CuTe DSL's (FP8 h 16 s_k
+  4096: 1.02x; h200-20261201-1a1370d-dirty-dense-triton-flashinfer.json against the e1ffa47 run's cutedsl, each
+  over the same run's FlashInfer), which does not split there: Triton takes those steps from a CuTe DSL
+  primary (`varied` rules), the CuTe DSL keeps them at fixed lengths (0.91-0.98x Triton's time at 17-64 rows).
 Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
 from dataclasses import dataclass
@@ -38,11 +43,13 @@ from mlaserve.attention.batch import BatchLayout, ForwardMode
 class DecodeRule:
     """The DECODE steps a peer takes from a primary: those with `min_rows` .. `max_rows` query rows (heads x new
     tokens) per request and at most `max_batch` requests (None: no bound), over caches of `kv` ("16bit" or "fp8";
-    None: either)."""
+    None: either); `varied`: only steps whose lengths vary enough that the peer (triton) splits its kernel to
+    balance them (TritonBackend.splits_for_balance)."""
     min_rows: int
     max_batch: int | None = None
     max_rows: int | None = None
     kv: str | None = None
+    varied: bool = False
 
     def applies_to(self, config: BackendConfig) -> bool:
         return self.kv is None or self.kv == ("fp8" if config.kv_cache_dtype == "fp8_e4m3" else "16bit")
@@ -52,10 +59,12 @@ class DecodeRule:
                 and (self.max_batch is None or batch <= self.max_batch))
 
 
-# primary name -> {peer name: rule}, from the measurements in the module docstring
-DECODE_RULES: dict[str, dict[str, DecodeRule]] = {
-    "cutedsl_mla": {"triton": DecodeRule(min_rows=1, max_rows=16, kv="16bit")},
-    "triton": {"flashinfer": DecodeRule(min_rows=65), "cutedsl_mla": DecodeRule(min_rows=17)},
+# primary name -> {peer name: its rules (a step is the peer's if any rule takes it)}, from the measurements in the
+# module docstring
+DECODE_RULES: dict[str, dict[str, tuple[DecodeRule, ...]]] = {
+    "cutedsl_mla": {"triton": (DecodeRule(min_rows=1, max_rows=16, kv="16bit"),
+                               DecodeRule(min_rows=1, max_rows=64, varied=True))},
+    "triton": {"flashinfer": (DecodeRule(min_rows=65),), "cutedsl_mla": (DecodeRule(min_rows=17),)},
 }
 
 
@@ -74,15 +83,16 @@ class AutoBackend(AttentionBackend):
         DECODE steps here, in order of preference; each takes the steps its DECODE_RULES entry names."""
         super().__init__(config)
         self.primary = primary
-        rules = {name: rule for name, rule in DECODE_RULES.get(primary.name, {}).items() if rule.applies_to(config)}
-        self.decode_peers = tuple(p for p in decode_peers if p.name in rules)
-        self._rules = [(p, rules[p.name]) for p in self.decode_peers]
+        rules = {name: tuple(r for r in peer_rules if r.applies_to(config))
+                 for name, peer_rules in DECODE_RULES.get(primary.name, {}).items()}
+        self.decode_peers = tuple(p for p in decode_peers if rules.get(p.name))
+        self._rules = [(p, rule) for p in self.decode_peers for rule in rules[p.name]]
 
     def choose(self, layout: BatchLayout) -> AttentionBackend:
         if layout.mode is ForwardMode.DECODE:
             rows = self.config.num_heads * max(layout.extend_lens, default=1)
             for peer, rule in self._rules:
-                if rule.takes(rows, layout.batch_size):
+                if rule.takes(rows, layout.batch_size) and (not rule.varied or peer.splits_for_balance(layout)):
                     return peer
         return self.primary
 

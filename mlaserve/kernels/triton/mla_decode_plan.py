@@ -215,6 +215,17 @@ def balanced_splits(programs_per_request: int, sms: int, pages: Sequence[int]) -
     return 2 if lpt_makespan(halves, sms) * BALANCE_SPLIT_COST * BALANCE_MIN_GAIN < whole else 1
 
 
+def splits_for_balance(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
+                       device: torch.device | str, seqlens: Sequence[int]) -> bool:
+    """Whether plan_mla_decode splits this step only to balance its host lengths (shapes alone give one split)."""
+    device = torch.device(device)
+    config = decode_config(b, s_q, h, max_pages, page_size, kv_fp8, device)
+    if choose_num_splits(b, s_q, h, max_pages, page_size, device, config) != 1:
+        return False
+    per = triton.cdiv(s_q * h, config.block_h) * config.v_split
+    return balanced_splits(per, _num_sms(device), [-(-int(n) // page_size) for n in seqlens]) > 1
+
+
 @dataclass
 class MLADecodePlan:
     """What one `mla_decode` launch needs besides its inputs; built on the host by `plan_mla_decode`."""
