@@ -27,10 +27,11 @@ h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-202
   3s/2]) and Triton's grids taking requests longest first, Triton is ahead at 64-256 rows (1.08-1.31x): the rule
   follows the fixed-length shapes;
 - with variable lengths at <= 64 rows, Triton's kernels split in two where the step's host lengths leave SMs
-  idle (mla_decode_plan.balanced_splits, bench/NOTES.md 86) and run 1.10-1.41x the CuTe DSL's (FP8 h 16 s_k
-  4096: 1.02x; h200-20261201-1a1370d-dirty-dense-triton-flashinfer.json against the e1ffa47 run's cutedsl, each
-  over the same run's FlashInfer), which does not split there: Triton takes those steps from a CuTe DSL
-  primary (`varied` rules), the CuTe DSL keeps them at fixed lengths (0.91-0.98x Triton's time at 17-64 rows).
+  idle (mla_decode_plan.balanced_splits, bench/NOTES.md 86) and run 1.12-1.40x faster than the CuTe DSL's, which
+  does not split there (FP8 h 16 s_k 4096: 1.01x; both in one run: h200-20261201-99ba9c2-dense-var-cutedsl-
+  triton.json); from 128 rows the CuTe DSL stays ahead (0.89-0.97x Triton's time but at s_q 2 h 128 4k).
+  Triton takes those steps from a CuTe DSL primary (`varied` rules); the CuTe DSL keeps them at fixed lengths
+  (0.91-0.98x Triton's time at 17-64 rows).
 Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
 from dataclasses import dataclass
