@@ -29,7 +29,8 @@ h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-202
 - with variable lengths at <= 64 rows, Triton's kernels split in two where the step's host lengths leave SMs
   idle (mla_decode_plan.balanced_splits, bench/NOTES.md 86) and run 1.12-1.40x faster than the CuTe DSL's, which
   does not split there (FP8 h 16 s_k 4096: 1.01x; both in one run: h200-20261201-99ba9c2-dense-var-cutedsl-
-  triton.json); from 128 rows the CuTe DSL stays ahead (0.89-0.97x Triton's time but at s_q 2 h 128 4k).
+  triton.json); from 128 rows the CuTe DSL stays ahead (0.89-0.97x Triton's time; 1.00-1.07x at s_q 2 h 64
+  s_k 4k/8k and h 128 4k).
   Triton takes those steps from a CuTe DSL primary (`varied` rules); the CuTe DSL keeps them at fixed lengths
   (0.91-0.98x Triton's time at 17-64 rows).
 Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
