@@ -106,8 +106,9 @@ class TritonBackend(AttentionBackend):
         if layout.mode is not ForwardMode.DECODE:
             return False
         return mla_decode_plan.splits_for_balance(
-            layout.batch_size, max(layout.extend_lens, default=1), self.config.num_heads, layout.block_table.shape[1], layout.page_size,
-            self.config.kv_cache_dtype == "fp8_e4m3", self.config.device, layout.seq_lens)
+            layout.batch_size, max(layout.extend_lens, default=1), self.config.num_heads,
+            layout.block_table.shape[1], layout.page_size, self.config.kv_cache_dtype == "fp8_e4m3",
+            self.config.device, layout.seq_lens)
 
     def plan(self, layout: BatchLayout) -> TritonMeta:
         s_q, block_table, seqlens = self._rows(layout)

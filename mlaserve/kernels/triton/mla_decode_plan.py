@@ -222,8 +222,14 @@ def splits_for_balance(b: int, s_q: int, h: int, max_pages: int, page_size: int,
     config = decode_config(b, s_q, h, max_pages, page_size, kv_fp8, device)
     if choose_num_splits(b, s_q, h, max_pages, page_size, device, config) != 1:
         return False
-    per = triton.cdiv(s_q * h, config.block_h) * config.v_split
-    return balanced_splits(per, _num_sms(device), [-(-int(n) // page_size) for n in seqlens]) > 1
+    return _host_balanced_splits(s_q * h, config, page_size, device, seqlens) > 1
+
+
+def _host_balanced_splits(rows: int, config: MLADecodeConfig, page_size: int, device: torch.device,
+                          seqlens: Sequence[int]) -> int:
+    """balanced_splits for requests of `rows` query rows and host lengths `seqlens` (tokens) under `config`."""
+    per = triton.cdiv(rows, config.block_h) * config.v_split
+    return balanced_splits(per, _num_sms(device), [-(-int(n) // page_size) for n in seqlens])
 
 
 @dataclass
@@ -264,8 +270,7 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
     if num_splits is None:
         num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
         if num_splits == 1 and seqlens is not None:
-            per = triton.cdiv(rows, config.block_h) * config.v_split
-            num_splits = balanced_splits(per, _num_sms(device), [-(-int(n) // page_size) for n in seqlens])
+            num_splits = _host_balanced_splits(rows, config, page_size, device, seqlens)
     if not 1 <= num_splits <= 4 * _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {4 * _MAX_SPLITS}], got {num_splits}")
     partial_out = partial_lse = None
