@@ -199,9 +199,9 @@ def _triton_host_splits(shape: DenseShape, paging, device: torch.device) -> Call
     def splits() -> int:
         key = mla_decode_plan.BALANCE_SPLITS
         if key not in counts:
-            counts[key] = mla_decode_plan.plan_mla_decode(
-                shape.b, shape.s_q, shape.h, shape.d_v, paging.block_table.shape[1], paging.page_size,
-                shape.kv == "fp8", device, seqlens=paging.seqlens_cpu.tolist()).num_splits
+            counts[key] = mla_decode_plan.plan_num_splits(
+                shape.b, shape.s_q, shape.h, paging.block_table.shape[1], paging.page_size, shape.kv == "fp8",
+                device, seqlens=paging.seqlens_cpu.tolist())
         return counts[key]
     splits()
     return splits

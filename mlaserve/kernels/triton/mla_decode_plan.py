@@ -218,18 +218,31 @@ def balanced_splits(programs_per_request: int, sms: int, pages: Sequence[int]) -
 def splits_for_balance(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
                        device: torch.device | str, seqlens: Sequence[int]) -> bool:
     """Whether plan_mla_decode splits this step only to balance its host lengths (shapes alone give one split)."""
+    shape = (b, s_q, h, max_pages, page_size, kv_fp8, device)
+    return plan_num_splits(*shape, seqlens=seqlens) > plan_num_splits(*shape)
+
+
+def plan_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
+                    device: torch.device | str, seqlens: Sequence[int] | None = None,
+                    config: MLADecodeConfig | None = None) -> int:
+    """The split count plan_mla_decode takes (without making its workspace): from shapes (`choose_num_splits`),
+    and where that is one split and the host lengths are given, `balanced_splits`."""
+    device = _plan_device(device)
+    config = config or decode_config(b, s_q, h, max_pages, page_size, kv_fp8, device)
+    if seqlens is not None and len(seqlens) != b:
+        raise ValueError(f"seqlens must have b = {b} entries, got {len(seqlens)}")
+    num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
+    if num_splits == 1 and seqlens is not None:
+        per = triton.cdiv(s_q * h, config.block_h) * config.v_split
+        num_splits = balanced_splits(per, _num_sms(device), [-(-int(n) // page_size) for n in seqlens])
+    return num_splits
+
+
+def _plan_device(device: torch.device | str) -> torch.device:
     device = torch.device(device)
-    config = decode_config(b, s_q, h, max_pages, page_size, kv_fp8, device)
-    if choose_num_splits(b, s_q, h, max_pages, page_size, device, config) != 1:
-        return False
-    return _host_balanced_splits(s_q * h, config, page_size, device, seqlens) > 1
-
-
-def _host_balanced_splits(rows: int, config: MLADecodeConfig, page_size: int, device: torch.device,
-                          seqlens: Sequence[int]) -> int:
-    """balanced_splits for requests of `rows` query rows and host lengths `seqlens` (tokens) under `config`."""
-    per = triton.cdiv(rows, config.block_h) * config.v_split
-    return balanced_splits(per, _num_sms(device), [-(-int(n) // page_size) for n in seqlens])
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())   # so that "cuda" equals "cuda:0" in caches
+    return device
 
 
 @dataclass
@@ -260,17 +273,11 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
     split count may then balance variable lengths (`balanced_splits`); the plan then serves steps of those
     lengths (or as varied), not a CUDA graph replayed over any.
     """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())   # so that "cuda" equals "cuda:0" below
+    device = _plan_device(device)
     rows = s_q * h
     config = config or decode_config(b, s_q, h, max_pages, page_size, kv_fp8, device)
-    if seqlens is not None and len(seqlens) != b:
-        raise ValueError(f"seqlens must have b = {b} entries, got {len(seqlens)}")
     if num_splits is None:
-        num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device, config)
-        if num_splits == 1 and seqlens is not None:
-            num_splits = _host_balanced_splits(rows, config, page_size, device, seqlens)
+        num_splits = plan_num_splits(b, s_q, h, max_pages, page_size, kv_fp8, device, seqlens, config)
     if not 1 <= num_splits <= 4 * _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {4 * _MAX_SPLITS}], got {num_splits}")
     partial_out = partial_lse = None
