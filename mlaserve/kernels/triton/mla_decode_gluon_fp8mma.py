@@ -25,7 +25,7 @@ page chain (bench/NOTES.md items 37-43). Here:
 
 Values: these MMAs compute on e4m3 * scale exactly (DESIGN.md: value = fp8 * scale), with Q and P carried to
 ~2^-8 (about bf16's own rounding of P); the dequantizing kernels round each entry to bf16 first (fp8_format).
-Rows past the request's end: their V bytes are zeroed in registers (0xFF is NaN in e4m3, and 0 * NaN is NaN)
+Rows past the request's end: their bytes are zeroed in the ring stage (0xFF is NaN in e4m3, and 0 * NaN is NaN)
 and their scales taken as 0; their scores are masked.
 
 Measured (H200, scripts/fp8mma_check.py, bench/NOTES.md items 48-49), h 16: b 128 s_k 4k/8k/32k 115/230/905 us =
@@ -60,16 +60,13 @@ MAX_ROWS = 16
 
 
 @gluon.jit
-def _v_fragments(kv, g: gl.constexpr, n_valid, LD: gl.constexpr, AL: gl.constexpr):
+def _v_fragments(kv, g: gl.constexpr, LD: gl.constexpr, AL: gl.constexpr):
     """V^T of scale group g of ring stage `kv` as wgmma's register A operand: e4m3 [128 columns, 64 keys], both
     in the permuted order (columns: logical m = 64 mt + 16 w + 8 h + r is column 32 w + 4 r + 2 mt + h of the
     group; keys: logical k = 32 ks + 16 j + 4 c + 2 x + i is key 8 (4 ks + 2 j + i) + 2 c + x, so that the two
-    keys a thread holds per row of S^T, 8 apart, are neighbours in P^T). Keys past the request's end (n_valid)
-    become 0."""
+    keys a thread holds per row of S^T, 8 apart, are neighbours in P^T). Keys past the request's end are 0 in
+    the stage by now (_zero_tail)."""
     x = kv.slice(g * GROUP, GROUP, dim=1).load(LD).to(gl.uint8, bitcast=True)     # [64 keys, 128 columns]
-    if n_valid < PAGE:
-        keys = gl.arange(0, PAGE, gl.SliceLayout(1, LD))
-        x = gl.where((keys < n_valid)[:, None], x, 0)
     x = gl.reshape(x, [2, 2, 2, 4, 2, 4, 8, 2, 2])       # keys (ks, j, i, c, x), columns (w, r, mt, h)
     x = gl.permute(x, [7, 5, 8, 6, 0, 1, 3, 4, 2])       # (mt, w, h, r), (ks, j, c, x, i)
     x = gl.reshape(x, [GROUP, PAGE])
@@ -152,6 +149,18 @@ def _scale_partition(sc_smem, gm_smem, ready, gready, seqlens_ptr, b, num_splits
 
 
 @gluon.jit
+def _zero_tail(kv, n_valid):
+    """Rows n_valid .. 63 of a stage's e4m3 c_kv [64, 512] set to 0 (an unused slot's byte may be 0xFF, NaN in
+    e4m3, and P V multiplies it by 0). The 128-byte swizzle moves 16-byte pieces within a row, so the stage is
+    four column blocks of 64 whole rows of 128 bytes each: read here as int32 [4, 64, 32]."""
+    ZL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, 4, 1], [2, 1, 0])
+    flat = kv._reinterpret(gl.int32, [D_V // GROUP, PAGE, GROUP // 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    keep = (gl.arange(0, PAGE, gl.SliceLayout(0, gl.SliceLayout(2, ZL))) < n_valid)[None, :, None]
+    x = flat.load(ZL)
+    flat.store(gl.where(keep, x, 0))
+
+
+@gluon.jit
 def _pv_pair(v0, v1, pt, g: gl.constexpr, zero):
     """Groups g and g + 1 of this page's P V (P^T from pt [128, 64], _store_p's rows), each in a fresh
     accumulator."""
@@ -201,6 +210,11 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, 
     o1 = zero_o
     o2 = zero_o
     o3 = zero_o
+    # o_g holds O_g / k_g with k_g the last page's max scale_g (see the fold below); o_g is 0 before the first page
+    k0 = 1.0
+    k1 = 1.0
+    k2 = 1.0
+    k3 = 1.0
     for t in range(W, n_tiles, 2):
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
@@ -221,10 +235,15 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, 
         sco = ((_hi_plus_lo(a0, L) * s0[:, None] + _hi_plus_lo(a1, L) * s1[:, None] + _hi_plus_lo(a2, L) * s2[:, None]
                 + _hi_plus_lo(a3, L) * s3[:, None]) * q_scale[None, :]
                + gl.convert_layout(pe, L) * qk_scale)
-        v0 = _v_fragments(kv, 0, n_valid, LD, AL)
-        v1 = _v_fragments(kv, 1, n_valid, LD, AL)
-        v2 = _v_fragments(kv, 2, n_valid, LD, AL)
-        v3 = _v_fragments(kv, 3, n_valid, LD, AL)
+        if n_valid < PAGE:
+            # one branch a page here, not one per scale group in _v_fragments: a smaller page loop, and the two
+            # compute warpgroups' copies of it compete for the instruction cache (bench/NOTES.md 88)
+            _zero_tail(kv, n_valid)
+            gl.thread_barrier()
+        v0 = _v_fragments(kv, 0, LD, AL)
+        v1 = _v_fragments(kv, 1, LD, AL)
+        v2 = _v_fragments(kv, 2, LD, AL)
+        v3 = _v_fragments(kv, 3, LD, AL)
         gl.thread_barrier()
         mbarrier.arrive(empty.index(s))           # S^T done and V^T in registers: the stage is free
         p, alpha, m_i, l_acc = softmax_keys_on_m(sco, m_i, l_acc, tok0, min_vis, vis, KEY)
@@ -232,15 +251,26 @@ def _consumer(q8_smem, qpe_smem, qa_smem, ckv_smem, sc_smem, gm_smem, kpe_smem, 
         _store_p(p, s0, s1, s2, s3, g0, g1, g2, g3, pt_smem.index(W))
         fence_async_shared()
         gl.thread_barrier()
+        # -- P_g = P * scale_g / k_g * 256 (k_g = max scale_g of the page) as e4m3 hi + lo; O_g += V^T_g P_g^T *
+        # k_g / 256, kept as o_g = O_g / k_g * 256: o_g = o_g * alpha * k_g(last page) / k_g + V^T_g P_g^T, one FFMA
+        # an element --
         c0, c1 = _pv_pair(v0, v1, pt_smem.index(W + z), 0, zero_o)
-        o0 = o0 * alpha[None, :] + c0 * (g0 / P_RANGE)
-        o1 = o1 * alpha[None, :] + c1 * (g1 / P_RANGE)
+        o0 = o0 * (alpha * (k0 / g0))[None, :] + c0
+        o1 = o1 * (alpha * (k1 / g1))[None, :] + c1
         c2, c3 = _pv_pair(v2, v3, pt_smem.index(W + z), 2, zero_o)
-        o2 = o2 * alpha[None, :] + c2 * (g2 / P_RANGE)
-        o3 = o3 * alpha[None, :] + c3 * (g3 / P_RANGE)
+        o2 = o2 * (alpha * (k2 / g2))[None, :] + c2
+        o3 = o3 * (alpha * (k3 / g3))[None, :] + c3
+        k0 = g0
+        k1 = g1
+        k2 = g2
+        k3 = g3
         gl.thread_barrier()                       # P^T is free for this warpgroup's next page
 
     l_i = gl.sum(l_acc, 0)
+    o0 = o0 * (k0 / P_RANGE)
+    o1 = o1 * (k1 / P_RANGE)
+    o2 = o2 * (k2 / P_RANGE)
+    o3 = o3 * (k3 / P_RANGE)
     if W == 1:
         xo_smem.index(0).store(o0)
         xo_smem.index(1).store(o1)
