@@ -4,6 +4,7 @@ warps of one kernel stalled most (ncu_source.csv.gz).
 
     python scripts/ncu_summary.py OUT/ncu_raw.csv.gz
     python scripts/ncu_summary.py OUT/ncu_raw.csv.gz --source OUT/ncu_source.csv.gz --kernel 1 --top 30
+    python scripts/ncu_summary.py OUT/ncu_raw.csv.gz --source OUT/ncu_source.csv.gz --partitions
 
 Elapsed cycles minus the busiest SM's active cycles is time no warp of the kernel ran on that SM (launch,
 teardown); the spread between the least and the most active SM is the load imbalance.
@@ -93,15 +94,49 @@ def stalls(path: str, kernel: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def partitions(path: str, kernel: int, min_share: float = 0.05) -> str:
+    """Source-page kernel `kernel`'s warp-stall samples by reason, for the whole kernel and for each range of
+    instructions between two USETMAXREG / EXIT instructions (in warp-specialized kernels: one per partition's code)
+    that holds at least min_share of the samples. A reason's share of a range's samples shows what its warps waited
+    for: no_inst (instruction fetch), long_sb (mbarrier and global waits), barrier (named barriers), wait (fixed
+    latencies), selected (issuing)."""
+    name, header, rows = source_kernels(path)[kernel]
+    reasons = [c for c in header if c.startswith("stall_") and "Not Issued" not in c]
+    samples, text = header.index("Warp Stall Sampling (All Samples)"), header.index("Source")
+    executed = header.index("Instructions Executed")
+    cuts = [0] + [i for i, r in enumerate(rows) if "USETMAXREG" in r[text] or "EXIT" in r[text]] + [len(rows)]
+    total = sum(_number(r[samples]) or 0 for r in rows) or 1
+
+    def line(label: str, part: list[list[str]]) -> str:
+        n = sum(_number(r[samples]) or 0 for r in part) or 1
+        by = sorted(((sum(_number(r[header.index(c)]) or 0 for r in part), c[6:]) for c in reasons), reverse=True)
+        warp_insts = sum(_number(r[executed]) or 0 for r in part)
+        return (f"{label}: {n / total:4.0%} of the samples, {warp_insts / 1e6:.1f} M warp instructions: "
+                + ", ".join(f"{c} {v / n:.0%}" for v, c in by[:7]))
+
+    lines = [f"{name[:100]}: {len(rows)} instructions, {int(total)} samples", line("  all", rows)]
+    for a, b in zip(cuts, cuts[1:]):
+        part = rows[a:b]
+        if sum(_number(r[samples]) or 0 for r in part) >= min_share * total:
+            lines.append(line(f"  [{a}, {b})", part))
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("raw", help="ncu_raw.csv.gz")
     ap.add_argument("--source", help="ncu_source.csv.gz: also list one kernel's hottest instructions")
     ap.add_argument("--kernel", type=int, default=0, help="that kernel's index in the source page")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--partitions", action="store_true",
+                    help="with --source: every kernel's stall reasons, per range of code between USETMAXREG's")
     args = ap.parse_args()
     print(summary(args.raw))
-    if args.source:
+    if args.source and args.partitions:
+        for k in range(len(source_kernels(args.source))):
+            print()
+            print(partitions(args.source, k))
+    elif args.source:
         print()
         print(stalls(args.source, args.kernel, args.top))
     return 0

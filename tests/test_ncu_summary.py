@@ -48,3 +48,22 @@ def test_source_page_lists_the_hottest_instructions_in_program_order(tmp_path):
     assert lines[0].startswith("first: 4 instructions, 100 samples")
     assert [line.split()[0] for line in lines[1:]] == ["1", "2"]    # the two hottest, in program order
     assert "40.0%" in lines[1] and "TRYWAIT" in lines[2]
+
+
+def test_partitions_split_the_stall_reasons_at_each_register_reallocation(tmp_path):
+    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_barrier",
+            "stall_no_inst", "stall_barrier (Not Issued)"]
+    rows = [["Kernel Name", "k"], cols,
+            ["0x0", "  USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0", "0", "8", "0", "0", "0"],
+            ["0x10", "  FFMA R1, R2, R3, R4", "30", "1000", "0", "30", "0"],
+            ["0x20", "  BAR.SYNC.DEFER_BLOCKING 0x1", "10", "8", "10", "0", "10"],
+            ["0x30", "  USETMAXREG.DEALLOC.CTAPOOL 0x18", "1", "4", "0", "1", "0"],
+            ["0x40", "  SYNCS.PHASECHK.TRANS64.TRYWAIT P0", "59", "4000", "59", "0", "59"],
+            ["0x50", "  EXIT", "0", "4", "0", "0", "0"]]
+    lines = ncu_summary.partitions(_write(tmp_path / "source.csv.gz", rows), 0).splitlines()
+    assert lines[0] == "k: 6 instructions, 100 samples"
+    assert "barrier 69%" in lines[1] and "no_inst 31%" in lines[1]           # the whole kernel
+    assert lines[2].startswith("  [0, 3):  40% of the samples") and "no_inst 75%" in lines[2]
+    assert lines[3].startswith("  [3, 5):  60% of the samples") and "barrier 98%" in lines[3]
+    assert len(lines) == 4          # the last range ([5, 6): EXIT, no samples) is under the 5% shown
+    assert all("(Not Issued)" not in line for line in lines)
