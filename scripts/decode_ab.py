@@ -150,6 +150,7 @@ SWITCHES = {
     "TRITON_FP8_MMA_OFF": ("triton", _triton_fp8_mma_off),
     "MIN_SPLITS": ("triton", _min_splits),
     "BALANCED_SPLITS": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_plan", "BALANCE_SPLITS")),
+    "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 
 

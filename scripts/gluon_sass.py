@@ -49,7 +49,7 @@ def fp8mma(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_fp8mm
 
 
 def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narrow", fp8=1, rows=16, dq=1,
-           ordered=0, bt_early=1):
+           ordered=0, bt_early=1, pipe_s=0):
     import importlib
     m = importlib.import_module(module)
     d = _fp8_descs()
@@ -62,11 +62,12 @@ def narrow(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon_narro
            "order_ptr": "*i32", "qk_scale": "fp32", "num_splits": "i32", "H": "i32", "S_Q": "i32", "ROWS": "i32",
            "stride_qb": "i32", "stride_btb": "i32", "stride_pob": "i32", "stride_pos": "i32", "CAUSAL": "constexpr",
            "IS_SPLIT": "constexpr", "STAGES": "constexpr", "KV_FP8": "constexpr", "BLOCK_R": "constexpr",
-           "DQ_WG": "constexpr", "ORDERED": "constexpr", "BT_EARLY": "constexpr"}
+           "DQ_WG": "constexpr", "ORDERED": "constexpr", "BT_EARLY": "constexpr", "PIPE_S_": "constexpr"}
     dq = dq and fp8
     return m._mla_decode_narrow_kernel, sig, {"CAUSAL": causal, "IS_SPLIT": split,
                                               "STAGES": m.ring_stages(fp8, rows, dq), "KV_FP8": fp8, "BLOCK_R": rows,
-                                              "DQ_WG": dq, "ORDERED": ordered, "BT_EARLY": bt_early}
+                                              "DQ_WG": dq, "ORDERED": ordered, "BT_EARLY": bt_early,
+                                              "PIPE_S_": pipe_s}
 
 
 def rows64(causal, split, module="mlaserve.kernels.triton.mla_decode_gluon", fp8=0, ordered=0, store16=1,
@@ -117,6 +118,7 @@ def main():
     ap.add_argument("--dq", type=int, default=1,
                     help="narrow, FP8: the dequantizing warpgroup (DQ_WG), else in place")
     ap.add_argument("--ordered", type=int, default=0, help="the request axis through an order (ORDERED)")
+    ap.add_argument("--pipe-s", type=int, default=0, help="narrow, DQ_WG: PIPE_S (the next S^T behind O^T)")
     ap.add_argument("--store16", type=int, default=1, help="rows64, seesaw: STORE_16B")
     ap.add_argument("--bt-early", type=int, default=1,
                     help="rows64, narrow: BT_EARLY (block-table reads before the stage waits)")
@@ -134,7 +136,7 @@ def main():
                                  bt_early=a.bt_early, store16=a.store16)
     else:
         fn, sig, consts = narrow(a.causal, a.split, *([a.module] if a.module else []), fp8=a.fp8, rows=a.rows,
-                                 dq=a.dq, ordered=a.ordered, bt_early=a.bt_early)
+                                 dq=a.dq, ordered=a.ordered, bt_early=a.bt_early, pipe_s=a.pipe_s)
     # pointers 16-byte aligned and strides multiples of 16, as Triton specializes them at launch
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty.startswith("*") or name.startswith("stride_")}

@@ -244,6 +244,19 @@ def test_dequantizing_warpgroup_takes_fp8_only(rows):
                                        dequant_warpgroup=True)
 
 
+def test_pipelined_scores_only_where_splits_are_long(monkeypatch):
+    # the dequantizing warpgroup's compute warpgroup queues each next page's S^T behind O^T (PIPE_S) where a split
+    # spans >= PIPE_S_MIN_PAGES pages: each split ends with one S^T more, which short splits do not pay back
+    pytest.importorskip("triton.experimental.gluon")
+    from mlaserve.kernels.triton import mla_decode_gluon_narrow as narrow
+    n = narrow.PIPE_S_MIN_PAGES
+    assert narrow.pipes_scores(n, 1) and narrow.pipes_scores(8 * n, 8) and narrow.pipes_scores(8 * n - 7, 8)
+    assert not narrow.pipes_scores(n - 1, 1) and not narrow.pipes_scores(8 * n - 8, 8)
+    assert not narrow.pipes_scores(512, 32)          # b 4 at s_k 32768: 16-page splits
+    monkeypatch.setattr(narrow, "PIPE_S", False)
+    assert not narrow.pipes_scores(512, 1)
+
+
 # -- planning --
 
 def test_num_splits_from_shapes_only():

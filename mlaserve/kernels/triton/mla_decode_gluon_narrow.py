@@ -17,7 +17,8 @@ Layout:
   unit freed as soon as it is dequantized) and k_pe into its own buffer beside the tile. The compute warpgroup
   reads the tiles as a bf16 ring and takes all 512 columns: S^T whole (no exchange), O^T [512, BLOCK_R] (at 32
   rows 128 registers a thread). Two tiles do not fit beside 32 rows' Q and the exchange buffers of two compute
-  warpgroups; with one there is nothing to exchange (bench/NOTES.md 84);
+  warpgroups; with one there is nothing to exchange (bench/NOTES.md 84). With PIPE_S the next page's S^T is
+  issued behind O^T, so that the tensor cores run it while the warpgroup waits for O^T and releases the tile;
 - bf16, and FP8 without DQ_WG: two compute warpgroups split the 512 c_kv columns in halves. Per page each one
   - FP8: dequantizes its half into the one shared bf16 tile; bf16: the ring stage is the tile,
   - computes its partial S^T = K_half Q_half^T ([64 keys, BLOCK_R rows]; warpgroup 0 adds k_pe q_pe^T),
@@ -49,7 +50,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.triton import mla_decode_gluon
@@ -67,6 +68,12 @@ MAX_ROWS = 32                 # query rows per request: the MMA's N is 16 or 32 
 # FP8 pages through the dequantizing warpgroup (two bf16 tiles, one compute warpgroup), against the two compute
 # warpgroups dequantizing into one tile themselves (decode_ab's DEQUANT_WG; bench/NOTES.md 84)
 DEQUANT_WG = True
+# DQ_WG's compute warpgroup issues the next page's S^T right behind this page's O^T, before waiting for O^T, so that
+# the tensor cores run it while the warpgroup finishes the page (decode_ab's NARROW_PIPE_S against it off: b 128
+# h 32 s_k 4k/8k/32k 1.032/1.044/1.051x, b 16 1.032x; b 4 at s_k 32768, 16-page splits, 0.978-0.994x: each split
+# ends with one S^T more, discarded), where a split spans at least PIPE_S_MIN_PAGES pages (bench/NOTES.md 88)
+PIPE_S = True
+PIPE_S_MIN_PAGES = 32
 
 
 @gluon.jit
@@ -151,7 +158,8 @@ def _dequant_partition(raw_smem, rsc_smem, tiles, raw_ready, raw_empty, ready, e
 def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar, seqlens_ptr, b,
               out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_pob, stride_pos,
               CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr,
-              BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr, W: gl.constexpr, COLS: gl.constexpr = HALF):
+              BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr, W: gl.constexpr, COLS: gl.constexpr = HALF,
+              PIPE_S: gl.constexpr = False):
     """Compute warpgroup W: columns W * 256 .. W * 256 + COLS - 1 of every page (FP8: dequantized into kbuf;
     partial S^T; O^T); with COLS 256, S^T's two partials are exchanged through shared memory, so both warpgroups run
     the same softmax; with COLS 512 (DQ_WG's one compute warpgroup) the warpgroup has all of S^T itself.
@@ -161,6 +169,7 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
                                                        instr_shape=[16, BLOCK_R, 16])
     DEQUANT_HERE: gl.constexpr = KV_FP8 and DQ_WG == 0
     EXCHANGE: gl.constexpr = COLS == HALF
+    PIPE: gl.constexpr = PIPE_S and not EXCHANGE
     KEY_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)     # per key (M) of S^T
     ROW_S: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)     # per query row (N) of S^T
     CVT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -178,9 +187,15 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
     o3 = gl.zeros([GROUP, BLOCK_R], gl.float32, S_LAYOUT)
     zero_s = gl.zeros([PAGE, BLOCK_R], gl.float32, S_LAYOUT)
     pt = pt_smem.index(W)
+    if PIPE:
+        acc = warpgroup_mma_init(zero_s)
+        if n_tiles > 0:
+            mbarrier.wait(ready.index(0), 0)
+            acc = _scores(ckv_smem.index(0), kpe_smem.index(0), q_smem, qpe_smem, zero_s, W, COLS)
     for t in range(n_tiles):
         s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        if not PIPE:
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         tok0 = start + t * PAGE
         if DEQUANT_HERE:
             # -- this warpgroup's half of the page, dequantized into kbuf --
@@ -199,29 +214,32 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
                     zero_rows_from(kv, seqlen - tok0, W * HALF, COLS, CVT)
                     fence_async_shared()
                     gl.thread_barrier()
-        # -- partial S^T over these columns (and k_pe q_pe^T in warpgroup 0) --
-        acc = warpgroup_mma(kv.slice(W * HALF, COLS, dim=1), q_smem.slice(W * HALF, COLS, dim=1).permute((1, 0)),
-                            zero_s, use_acc=False, is_async=True)
-        if W == 0:
-            acc = warpgroup_mma(kpe_smem.index(s), qpe_smem.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        # -- partial S^T over these columns (and k_pe q_pe^T in warpgroup 0); PIPE: issued last page --
+        if PIPE:
+            sacc = warpgroup_mma_wait(0, deps=[acc])
+        else:
+            acc = warpgroup_mma(kv.slice(W * HALF, COLS, dim=1), q_smem.slice(W * HALF, COLS, dim=1).permute((1, 0)),
+                                zero_s, use_acc=False, is_async=True)
+            if W == 0:
+                acc = warpgroup_mma(kpe_smem.index(s), qpe_smem.permute((1, 0)), acc, is_async=True)
+            sacc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
         if DEQUANT_HERE:
             mbarrier.arrive(empty.index(s))       # the raw stage is done with (the ring has 2 arrivals a fill)
         if EXCHANGE:
             # -- exchange the partials: S^T = warpgroup 0's + warpgroup 1's, the same sum in both --
             x = t % 2
-            xbuf.index(2 * x + W).store(acc)
+            xbuf.index(2 * x + W).store(sacc)
             gl.thread_barrier()
             mbarrier.arrive(xbar.index(x))
             mbarrier.wait(xbar.index(x), (t // 2) & 1)
             other = xbuf.index(2 * x + 1 - W).load(S_LAYOUT)
             if W == 0:
-                sco = acc + other
+                sco = sacc + other
             else:
-                sco = other + acc
+                sco = other + sacc
         else:
-            sco = acc
+            sco = sacc
         sco = sco * qk_scale
         p, alpha, m_i, l_acc = softmax_keys_on_m(sco, m_i, l_acc, tok0, min_vis, vis, KEY_S)
         pt.store(p.to(gl.bfloat16))
@@ -239,11 +257,22 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
                                is_async=True)
             o3 = warpgroup_mma(kv.slice(3 * GROUP, GROUP, dim=1).permute((1, 0)), pt, o3 * alpha[None, :],
                                is_async=True)
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+            if PIPE:
+                # the next page's S^T queued behind O^T (the last page's own again, discarded: a wait needs a
+                # fixed count); O^T's four groups done leaves S^T's (up to) two pending
+                tn = gl.minimum(t + 1, n_tiles - 1)
+                mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
+                acc = _scores(ckv_smem.index(tn % STAGES), kpe_smem.index(tn % STAGES), q_smem, qpe_smem, zero_s,
+                              W, COLS)
+                o0, o1, o2, o3 = warpgroup_mma_wait(2 if W == 0 else 1, deps=[o0, o1, o2, o3])
+            else:
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
         gl.thread_barrier()                       # kbuf and P^T are free for the next page
         if not DEQUANT_HERE:
             mbarrier.arrive(empty.index(s))       # the stage is done with (an arrival per compute warpgroup)
 
+    if PIPE:
+        warpgroup_mma_wait(0, deps=[acc])     # the discarded S^T of the last page
     inv_l, lse = finish_rows(m_i, gl.sum(l_acc, 0), ROW_S)
     row_ok = rows < ROWS
     _store_group(o0, 2 * W, inv_l, rows, row_ok, b, split, ROWS, out_ptr, po_ptr, stride_pob, stride_pos,
@@ -260,6 +289,17 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
             gl.store(pl_ptr + b * (num_splits * ROWS) + split * ROWS + rows, lse, mask=row_ok)
         else:
             gl.store(lse_ptr + b * ROWS + rows, lse, mask=row_ok)
+
+
+@gluon.jit
+def _scores(kv, kpe, q_smem, qpe_smem, zero_s, W: gl.constexpr, COLS: gl.constexpr):
+    """A page's partial S^T over columns W * 256 .. + COLS - 1 (and k_pe q_pe^T in warpgroup 0), issued, not
+    waited for."""
+    acc = warpgroup_mma(kv.slice(W * HALF, COLS, dim=1), q_smem.slice(W * HALF, COLS, dim=1).permute((1, 0)),
+                        zero_s, use_acc=False, is_async=True)
+    if W == 0:
+        acc = warpgroup_mma(kpe, qpe_smem.permute((1, 0)), acc, is_async=True)
+    return acc
 
 
 @gluon.jit
@@ -315,7 +355,8 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
                               pl_ptr, order_ptr, qk_scale, num_splits, H, S_Q, ROWS, stride_qb, stride_btb,
                               stride_pob, stride_pos, CAUSAL: gl.constexpr, IS_SPLIT: gl.constexpr,
                               STAGES: gl.constexpr, KV_FP8: gl.constexpr, BLOCK_R: gl.constexpr, DQ_WG: gl.constexpr,
-                              ORDERED: gl.constexpr, BT_EARLY: gl.constexpr = False):
+                              ORDERED: gl.constexpr, BT_EARLY: gl.constexpr = False,
+                              PIPE_S_: gl.constexpr = False):
     """Grid (b, num_splits); 4 + 4 compute warps + the producer warp; with DQ_WG 4 dequantizing warps + 4 compute
     warps (all 512 columns, no exchange of S^T partials) + the producer warp.
     q [b, ROWS, 576] bf16 (row = token j * H + head, ROWS <= BLOCK_R = 16 or 32); the cache behind its
@@ -391,7 +432,8 @@ def _mla_decode_narrow_kernel(ckv_desc, sc_desc, kpe_desc, q_ptr, bt_ptr, seqlen
         gl.warp_specialize(
             [(_consumer, (q_smem, qpe_smem, kbuf, sc_smem, kpe_smem, kbuf, pt_smem, xbuf, ready, empty, xbar,
                           seqlens_ptr, b, out_ptr, lse_ptr, po_ptr, pl_ptr, qk_scale, num_splits, H, S_Q, ROWS,
-                          stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0, D_V)),
+                          stride_pob, stride_pos, CAUSAL, IS_SPLIT, STAGES, KV_FP8, BLOCK_R, DQ_WG, 0, D_V,
+                          PIPE_S_)),
              (_dequant_partition, (ckv_smem, sc_smem, kbuf, raw_ready, raw_empty, ready, empty, seqlens_ptr, b,
                                    num_splits, H, S_Q, CAUSAL, RAW_UNITS)),
              (_load_partition, (ckv_desc, sc_desc, kpe_desc, bt_row, ckv_smem, sc_smem, kpe_smem, ready, empty,
@@ -428,6 +470,12 @@ def ring_stages(kv_fp8: bool, rows: int, dq: bool, stages: int | None = None) ->
     """The ring's depth: 2 bf16 tiles with the dequantizing warpgroup; else `stages`, or 3 raw FP8 stages at <= 16
     rows (beside the one tile) and 2 otherwise."""
     return 2 if dq else stages or (3 if kv_fp8 and rows <= 16 else 2)
+
+
+def pipes_scores(max_pages: int, num_splits: int) -> bool:
+    """Whether DQ_WG's compute warpgroup issues each next page's S^T behind O^T (PIPE_S): where a split spans at
+    least PIPE_S_MIN_PAGES pages (max_pages = the block table's columns; host shapes only)."""
+    return PIPE_S and -(-max_pages // num_splits) >= PIPE_S_MIN_PAGES
 
 
 def fp8_descriptors(kv_cache: torch.Tensor):
@@ -471,12 +519,13 @@ def mla_decode_gluon_narrow(q, kv_cache, block_table, cache_seqlens, softmax_sca
     qc = q.contiguous()
     split = plan.num_splits > 1
     po, pl = (plan.partial_out, plan.partial_lse) if split else (out, lse)
+    pipe_s = dq and pipes_scores(block_table.shape[1], plan.num_splits)
     _mla_decode_narrow_kernel[(b, plan.num_splits)](
         ckv_desc, sc_desc, kpe_desc, qc, block_table, cache_seqlens, out, lse, po, pl,
         cache_seqlens if order is None else order, softmax_scale * LOG2E.value, plan.num_splits, h, s_q, rows,
         qc.stride(0), block_table.stride(0), po.stride(0), po.stride(1),
         CAUSAL=causal, IS_SPLIT=split, STAGES=ring_stages(kv_fp8, rows, dq, stages),
         KV_FP8=kv_fp8, BLOCK_R=16 if rows <= 16 else 32, DQ_WG=dq, ORDERED=order is not None,
-        BT_EARLY=mla_decode_gluon.BT_EARLY, num_warps=4)
+        BT_EARLY=mla_decode_gluon.BT_EARLY, PIPE_S_=pipe_s, num_warps=4)
     if split:
         combine_splits(plan, out, lse)
