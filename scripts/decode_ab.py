@@ -115,6 +115,15 @@ def _triton_fp8_mma_off(on: bool):
     plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=0) if on else cfg
 
 
+def _triton_fp8_mma_min_pages(on: bool):
+    """triton's FP8-MMA kernel down to DA_FP8_MMA_MIN_PAGES (default 8) pages a split (runs of twice that when
+    split), against the table's fp8_mma_min_pages."""
+    plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
+    cfg = _triton_fp8_mma_min_pages.__dict__.setdefault("cfg", plan.DEFAULT_CONFIGS[(16, "fp8")])
+    n = int(os.environ.get("DA_FP8_MMA_MIN_PAGES", "8"))
+    plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=n) if on else cfg
+
+
 def _min_splits(on: bool):
     """At least DA_MIN_SPLITS KV splits a request (split grids of more than one wave are ordered longest first)
     against the plan's split count."""
@@ -149,6 +158,7 @@ SWITCHES = {
     "DEQUANT_WG": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "DEQUANT_WG")),
     "TRITON_FP8_MMA_OFF": ("triton", _triton_fp8_mma_off),
     "MIN_SPLITS": ("triton", _min_splits),
+    "TRITON_FP8_MMA_MIN_PAGES": ("triton", _triton_fp8_mma_min_pages),
     "BALANCED_SPLITS": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_plan", "BALANCE_SPLITS")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }

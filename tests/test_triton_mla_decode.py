@@ -289,14 +289,14 @@ def test_fp8_mma_takes_long_splits_of_fp8_caches_only():
     of >= 64, from host shapes; never with bf16 KV or where the config leaves it off; a negative threshold is
     refused."""
     fp8, bf16 = default_config(16, True), default_config(16, False)
-    assert fp8.fp8_mma_min_pages == 32 and bf16.fp8_mma_min_pages == 0
+    assert fp8.fp8_mma_min_pages == 16 and bf16.fp8_mma_min_pages == 0
     assert uses_fp8_mma(fp8, True, 64, 1)             # b 128 s_k 4096: one split of 64 pages
-    assert uses_fp8_mma(fp8, True, 32, 1)             # b 128 s_k 2048: one split of 32
-    assert not uses_fp8_mma(fp8, True, 31, 1)
+    assert uses_fp8_mma(fp8, True, 16, 1)             # b 128 s_k 1024: one split of 16
+    assert not uses_fp8_mma(fp8, True, 15, 1)
     assert not uses_fp8_mma(fp8, True, 64, 1, s_q=2)  # h 8 s_q 2: the dequantizing warpgroup
     assert uses_fp8_mma(fp8, True, 512, 8)            # b 16 s_k 32768: 8 splits of 64
-    assert not uses_fp8_mma(fp8, True, 511, 8)
-    assert not uses_fp8_mma(fp8, True, 512, 16)       # b 8 s_k 32768: 16 splits of 32
+    assert uses_fp8_mma(fp8, True, 512, 16)           # b 8 s_k 32768: 16 splits of 32
+    assert not uses_fp8_mma(fp8, True, 511, 16)
     assert not uses_fp8_mma(fp8, True, 512, 32)       # b 4 s_k 32768: 32 splits of 16
     assert not uses_fp8_mma(fp8, True, 512, 64)       # b 1: 64 splits of 8
     assert not uses_fp8_mma(fp8, False, 512, 1)       # bf16 KV

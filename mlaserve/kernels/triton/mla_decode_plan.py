@@ -63,10 +63,10 @@ class MLADecodeConfig:
 #   Hopper. With bf16 KV at most 64 splits: b 1 h 16 s_k 32768 ran 30.8 us with 64
 #   against 34.0 with 128 (scripts/split_sweep.py); b 4/16 and FP8 KV keep their one-wave counts. FP8 KV where
 #   a split spans >= 32 pages: the FP8-MMA kernel (mla_decode_gluon_fp8mma.py, no dequantize), 1.10-1.15x the
-#   dequantizing warpgroup at b 128 s_k 4k-32k and b 16 s_k 32k (1.23-1.30x bf16 in the benchmark); at 8-16
-#   pages a split (b 1, b 4 at s_k 32768) its fixed cost loses (0.80x / 1.00x), so they keep the dequantizing
-#   warpgroup (scripts/fp8mma_check.py, bench/NOTES.md items 48-49), as do split steps of < 64 pages a split and
-#   s_q > 1 (uses_fp8_mma);
+#   dequantizing warpgroup at b 128 s_k 4k-32k and b 16 s_k 32k (1.29-1.39x bf16 in the 67b218e benchmark); at
+#   8 pages a split (b 1 at s_k 32768) its fixed cost loses (0.80x), so short steps keep the dequantizing
+#   warpgroup (scripts/fp8mma_check.py, bench/NOTES.md items 48-49, 88), as do split steps of < 32 pages a split
+#   and s_q > 1 (uses_fp8_mma);
 # - from 33 rows, bf16 KV: the 64-row Gluon kernel (TMA ring, producer warp, wgmma), 1.24-1.64x the tl kernel
 #   at h 64/128 (scripts/gluon_check.py), as the seesaw of mla_decode_gluon_seesaw.py (two warpgroups on
 #   alternate pages, 1.07-1.19x the serial page chain; bench/NOTES.md item 80);
@@ -81,7 +81,7 @@ DEFAULT_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (128, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (256, "bf16"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (16, "fp8"): MLADecodeConfig(block_h=16, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True,
-                                 fp8_mma_min_pages=32),
+                                 fp8_mma_min_pages=16),
     (32, "fp8"): MLADecodeConfig(block_h=32, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (64, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
     (128, "fp8"): MLADecodeConfig(block_h=64, block_n=64, v_split=1, num_warps=8, num_stages=2, gluon=True),
@@ -95,7 +95,10 @@ def uses_fp8_mma(config: MLADecodeConfig, kv_fp8: bool, max_pages: int, num_spli
     (max_pages = the block table's columns; host shapes only, no sync). decode_ab's TRITON_FP8_MMA_OFF on the H200
     against the dequantizing warpgroup beside one compute warpgroup (bench/NOTES.md 84): the FP8-MMA kernel
     1.01-1.03x at b 128 h 16 unsplit from 32 pages, 1.19x at s_k 8192 with variable lengths, level at b 16 (splits of
-    64 pages); 0.96x at b 8 (splits of 32), 0.95-0.96x at h 8 s_q 2."""
+    64 pages); 0.96x at b 8 (splits of 32), 0.95-0.96x at h 8 s_q 2. After 22d25fa made it 6-13% faster (NOTES 88),
+    decode_ab TRITON_FP8_MMA_MIN_PAGES (8 against 32): b 128 s_k 1024 (16 pages) 1.021x, b 8 s_k 32768 and b 32 s_k
+    8192 (splits of 32) 1.080/1.077x, b 4 s_k 32768 (splits of 16) 1.017x, b 64 s_k 2048 (2 splits of 16) 0.992x:
+    16 takes the first three."""
     need = config.fp8_mma_min_pages * (1 if num_splits == 1 else 2 * num_splits)
     return kv_fp8 and config.fp8_mma_min_pages > 0 and s_q == 1 and max_pages >= need
 
