@@ -107,21 +107,17 @@ def _seesaw_32_rows(on: bool):
     plan.SEESAW_32_MIN_PAGES = 0 if on else 1 << 30
 
 
-def _triton_fp8_mma_off(on: bool):
-    """triton FP8 steps of <= 16 rows all through the dequantizing warpgroup (the FP8-MMA kernel never) against the
-    default (mla_decode_plan.uses_fp8_mma: the FP8-MMA kernel for s_q 1 and long enough splits)."""
-    plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
-    cfg = _triton_fp8_mma_off.__dict__.setdefault("cfg", plan.DEFAULT_CONFIGS[(16, "fp8")])
-    plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=0) if on else cfg
+def _triton_fp8_mma_pages(pages):
+    """A setter of triton's FP8-MMA page bound (mla_decode_plan.uses_fp8_mma): pages() when on, the table's when off.
+    TRITON_FP8_MMA_OFF: 0 (every FP8 step of <= 16 rows through the dequantizing warpgroup, the FP8-MMA kernel
+    never); TRITON_FP8_MMA_MIN_PAGES: DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit, runs of twice that split."""
+    saved = {}
 
-
-def _triton_fp8_mma_min_pages(on: bool):
-    """triton's FP8-MMA kernel down to DA_FP8_MMA_MIN_PAGES (default 8) pages a split (runs of twice that when
-    split), against the table's fp8_mma_min_pages."""
-    plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
-    cfg = _triton_fp8_mma_min_pages.__dict__.setdefault("cfg", plan.DEFAULT_CONFIGS[(16, "fp8")])
-    n = int(os.environ.get("DA_FP8_MMA_MIN_PAGES", "8"))
-    plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=n) if on else cfg
+    def switch(on: bool):
+        plan = importlib.import_module("mlaserve.kernels.triton.mla_decode_plan")
+        cfg = saved.setdefault("cfg", plan.DEFAULT_CONFIGS[(16, "fp8")])
+        plan.DEFAULT_CONFIGS[(16, "fp8")] = dataclasses.replace(cfg, fp8_mma_min_pages=pages()) if on else cfg
+    return switch
 
 
 def _min_splits(on: bool):
@@ -156,9 +152,10 @@ SWITCHES = {
     "SEESAW_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "STORE_16B")),
     "SEESAW_32_ROWS": ("triton", _seesaw_32_rows),
     "DEQUANT_WG": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "DEQUANT_WG")),
-    "TRITON_FP8_MMA_OFF": ("triton", _triton_fp8_mma_off),
+    "TRITON_FP8_MMA_OFF": ("triton", _triton_fp8_mma_pages(lambda: 0)),
     "MIN_SPLITS": ("triton", _min_splits),
-    "TRITON_FP8_MMA_MIN_PAGES": ("triton", _triton_fp8_mma_min_pages),
+    "TRITON_FP8_MMA_MIN_PAGES": ("triton", _triton_fp8_mma_pages(lambda: int(os.environ.get("DA_FP8_MMA_MIN_PAGES",
+                                                                                             "8")))),
     "BALANCED_SPLITS": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_plan", "BALANCE_SPLITS")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }

@@ -218,6 +218,8 @@ def _consumer(q_smem, qpe_smem, ckv_smem, sc_smem, kpe_smem, kbuf, pt_smem, xbuf
         if PIPE:
             sacc = warpgroup_mma_wait(0, deps=[acc])
         else:
+            # _scores' two MMAs, spelled out: through the helper ptxas schedules the bf16 and unpipelined FP8 kernels
+            # differently (gluon_sass.py cmp), and those builds are the ones measured
             acc = warpgroup_mma(kv.slice(W * HALF, COLS, dim=1), q_smem.slice(W * HALF, COLS, dim=1).permute((1, 0)),
                                 zero_s, use_acc=False, is_async=True)
             if W == 0:
