@@ -41,6 +41,11 @@ switches, read at launch (so captured with each graph):
   TRITON_FP8_MMA_OFF  triton: FP8 steps of <= 16 rows all through the dequantizing warpgroup against the default
                     (the FP8-MMA kernel for s_q 1, unsplit from 32 pages or in runs of >= 64)
   MIN_SPLITS        triton: at least $DA_MIN_SPLITS (default 2) KV splits a request, against the plan's count
+  LAZY_RESCALE   cutedsl: 16-bit KV, a row's running max moved only when it rises by more than 2^8 and O's rescale
+                 skipped in warps where no row moved, against every rise and every rescale
+  FOLD_SCALE     cutedsl: 16-bit KV, S left unscaled and the softmax scale applied in exp2's FFMA against S scaled
+  S_EARLY        cutedsl: 16-bit KV in clusters, each consumer's first $DA_S_EARLY_KBLOCKS (default 12) of its S's 36
+                 k-blocks issued before it waits for the other's P, against all of S behind the other's tile's P V
   BALANCED_SPLITS   triton: the plan's split count from the requests' host lengths (two splits where variable
                     lengths leave SMs idle: mla_decode_plan.balanced_splits) against from shapes only
 
@@ -129,6 +134,12 @@ def _min_splits(on: bool):
     plan.choose_num_splits = (lambda *args: max(n, saved(*args))) if on else saved
 
 
+def _s_early(on: bool):
+    """DA_S_EARLY_KBLOCKS (default 12) of S's k-blocks issued before the wait for the other consumer's P, against 0."""
+    m = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    m.S_EARLY_KBLOCKS = int(os.environ.get("DA_S_EARLY_KBLOCKS", "12")) if on else 0
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -157,6 +168,9 @@ SWITCHES = {
     "TRITON_FP8_MMA_MIN_PAGES": ("triton", _triton_fp8_mma_pages(lambda: int(os.environ.get("DA_FP8_MMA_MIN_PAGES",
                                                                                              "8")))),
     "BALANCED_SPLITS": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_plan", "BALANCE_SPLITS")),
+    "LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LAZY_RESCALE")),
+    "FOLD_SCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FOLD_SCALE")),
+    "S_EARLY": ("cutedsl", _s_early),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

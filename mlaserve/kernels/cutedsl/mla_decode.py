@@ -209,6 +209,13 @@ FP8_MMA_EARLY_REFILL = True
 # 0.1-1.8% faster at every 128-row shape, the same bits (bench/NOTES.md 61); the early form stays for the FP8 kernel
 # and for A/B runs
 EARLY_SUMS = False
+# 16-bit KV, switches of the seesaw consumers (False: for A/B runs): LAZY_RESCALE, a row's running max moves only
+# when it rises by more than split_consumers.LAZY_RESCALE_LOG2 and O's rescale is skipped in warps where no row
+# moved; FOLD_SCALE, S left unscaled, the softmax scale applied in exp2's FFMA; S_EARLY_KBLOCKS (clusters), each
+# consumer issues that many of its tile's 36 k-blocks of S before it waits for the other's P of the tile before
+LAZY_RESCALE = False
+FOLD_SCALE = False
+S_EARLY_KBLOCKS = 0
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -335,6 +342,9 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("scalar-io",)
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
+    seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE,
+                                "s_early": S_EARLY_KBLOCKS if cluster > 1 else 0}
+    key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -362,7 +372,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
             fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
                                                  persistent=persistent, trace=trace, store16=store16,
-                                                 streamk=streamk, early_sums=early_sums, rank_order=rank_order),
+                                                 streamk=streamk, early_sums=early_sums, rank_order=rank_order,
+                                                 **seesaw),
                               *_pointers(dtype, (None,) * 8, persistent, streamk), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn

@@ -89,8 +89,8 @@ from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, take_row_sums)
-from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, store_dense_block,
-                                                      store_dense_lse)
+from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, scale_rows_moved,
+                                                      store_dense_block, store_dense_lse)
 from mlaserve.kernels.cutedsl.stream_k_pieces import first_piece, merge_piece, piece_of
 from mlaserve.kernels.cutedsl.ticket_scheduler import (ITEM_STAGES, fetch_ticket, init_scheduler, next_item,
                                                        publish_item, rank_requests)
@@ -136,7 +136,8 @@ class MLADecodeSm90:
 
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
-                 rank_order: bool = False):
+                 rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
+                 s_early: int = 0):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -164,6 +165,19 @@ class MLADecodeSm90:
         self.rank_order = rank_order
         if rank_order and (not persistent or streamk):
             raise ValueError("rank_order is an order of a persistent ticket launch's requests")
+        # a row's running max moves only when it rises by more than LAZY_RESCALE_LOG2 (quad_row_max), and O's
+        # rescales are skipped in warps where no row moved
+        self.lazy_rescale = lazy_rescale
+        # S left unscaled: the softmax scale applied in the max's two values and in exp2's FFMA (exp_p)
+        self.fold_scale = fold_scale
+        # clusters: each consumer issues the first `s_early` k-blocks (of D_QK / 16) of its own tile's S as soon as
+        # the page has landed, before it waits for the other consumer's P of the tile before, so that the tensor
+        # cores run them during the other's softmax; the rest of S follows that P's P V as before
+        self.s_early = s_early
+        if s_early and cluster == 1:
+            raise ValueError("s_early is a schedule of clustered launches")
+        if not 0 <= s_early <= D_QK // 16:
+            raise ValueError(f"s_early counts S's k-blocks, 0 .. {D_QK // 16}, got {s_early}")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -495,41 +509,61 @@ class MLADecodeSm90:
         first = cw
         if const_expr(self.persistent):
             first = (cw + g) % 2
+        lazy = self.lazy_rescale
         for t in cutlass.range(first, n_tiles, 2, unroll=1):
             tok0 = start + t * TILE_N
             own = tile_state(g + t)
+            if const_expr(self.s_early > 0):
+                # -- c's first k-blocks: S = Q K_t^T begun as soon as the page is in --
+                kv_pipe.consumer_wait(own)
+                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True, 0, self.s_early)
             if t > 0:
                 # -- a, b: the other consumer's tile t - 1 into this half of O --
                 if const_expr(self.cluster > 1):
                     # issued, not waited for: S below is queued right behind it
                     other_tile_pv_issue(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, sMax, r0, row_m, row_l,
-                                        acc_o, tiled_mma_pv, tOrPs, tOrV)
+                                        acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
                 else:
                     other_tile_pv(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
-                                  r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
-            # -- c: S = Q K_t^T --
-            kv_pipe.consumer_wait(own)
-            issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+                                  r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
+            # -- c: S = Q K_t^T (its k-blocks from s_early on) --
+            if const_expr(self.s_early == 0):
+                kv_pipe.consumer_wait(own)
+            if const_expr(self.s_early < D_QK // 16):
+                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], self.s_early == 0,
+                          self.s_early)
             if const_expr(self.cluster > 1):
-                # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
-                warpgroup.wait_group(1)
+                # b's wgmma ran ahead of (the rest of) S in the same queue: wait for it and free its stage
+                if const_expr(self.s_early < D_QK // 16):
+                    warpgroup.wait_group(1)
+                else:
+                    warpgroup.wait_group(0)
                 if t > 0:
                     kv_pipe.consumer_release(tile_state(g + t - 1))
             warpgroup.wait_group(0)
             # -- d: mask, running max, P --
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = acc_s[i] * scale_log2
+            if const_expr(not self.fold_scale):
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[i] = acc_s[i] * scale_log2
             if tok0 + TILE_N > min_vis:
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     if tok0 + tScS[i][1] >= vis[(i // 2) % 2]:
                         acc_s[i] = -Float32.inf
             mx = cute.make_rmem_tensor(2, Float32)
-            mx[0] = row_m[0]
-            mx[1] = row_m[1]
+            if const_expr(self.fold_scale):
+                # the scale is positive: the max of the unscaled S, scaled, is the max of the scaled
+                mx[0] = -Float32.inf
+                mx[1] = -Float32.inf
+            else:
+                mx[0] = row_m[0]
+                mx[1] = row_m[1]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
-            alpha, m_base = quad_row_max(mx, row_m, row_l)
-            exp_p(acc_s, m_base, row_l, rP)
+            if const_expr(self.fold_scale):
+                for hr in cutlass.range_constexpr(2):
+                    mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)
+            alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
+            exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
             # -- e: publish P(t), m(t) --
             cute.autovec_copy(rP, tPsP)
             if ctid % 4 == 0:
@@ -551,7 +585,10 @@ class MLADecodeSm90:
                 # this consumer's own P V below reads V rows its other threads zeroed
                 cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
             # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-            scale_rows(acc_o, alpha)
+            if const_expr(lazy):
+                scale_rows_moved(acc_o, alpha)
+            else:
+                scale_rows(acc_o, alpha)
             issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
             warpgroup.wait_group(0)
             kv_pipe.consumer_release(own)
@@ -568,13 +605,13 @@ class MLADecodeSm90:
             last = tile_state(g + n_tiles - 1)
             if const_expr(self.early_sums):
                 other_tile_pv_issue(cw, last, kv_pipe.consumer_wait, sMax, r0, row_m, row_l, acc_o, tiled_mma_pv,
-                                    tOrPs, tOrV)
+                                    tOrPs, tOrV, lazy)
                 publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
                 warpgroup.wait_group(0)
                 kv_pipe.consumer_release(last)
             else:
                 other_tile_pv(cw, last, kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0, row_m, row_l,
-                              acc_o, tiled_mma_pv, tOrPs, tOrV)
+                              acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
         if const_expr(self.early_sums):
             if n_tiles == 0:
                 publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)

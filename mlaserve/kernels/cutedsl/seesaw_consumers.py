@@ -14,10 +14,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from mlaserve.kernels.cutedsl.split_consumers import move_row_max, scale_rows
+from mlaserve.kernels.cutedsl.split_consumers import move_row_max, scale_rows, scale_rows_moved
 
 TILE_M = 64           # query rows (heads) per CTA: one wgmma M
 TILE_N = 64           # keys per ring stage
@@ -96,7 +96,7 @@ def seesaw_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, ti
 @cute.jit
 def other_tile_pv(cw: Int32, st: pipeline.PipelineState, wait_stage, release_stage, sMax: cute.Tensor, r0: Int32,
                   row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                  tOrPs: cute.Tensor, tOrV: cute.Tensor):
+                  tOrPs: cute.Tensor, tOrV: cute.Tensor, lazy: cutlass.Constexpr[bool] = False):
     """Steps a, b for the other consumer's tile (state st): wait for its P and m, rescale this consumer's
     O half and row sums to that m, O_w += P V_w, release the stage (`wait_stage(st)`, `release_stage(st)`:
     the kernel's own pipeline calls).
@@ -106,7 +106,7 @@ def other_tile_pv(cw: Int32, st: pipeline.PipelineState, wait_stage, release_sta
     held back behind a late load would delay the load after it too. The stage is already complete (its
     owner waited for it before S); waited here too so that this consumer's own reads of V are ordered after
     the load by the barrier itself."""
-    other_tile_pv_issue(cw, st, wait_stage, sMax, r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV)
+    other_tile_pv_issue(cw, st, wait_stage, sMax, r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
     warpgroup.wait_group(0)
     release_stage(st)
 
@@ -114,28 +114,32 @@ def other_tile_pv(cw: Int32, st: pipeline.PipelineState, wait_stage, release_sta
 @cute.jit
 def other_tile_pv_issue(cw: Int32, st: pipeline.PipelineState, wait_stage, sMax: cute.Tensor, r0: Int32,
                         row_m: cute.Tensor, row_l: cute.Tensor, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                        tOrPs: cute.Tensor, tOrV: cute.Tensor):
+                        tOrPs: cute.Tensor, tOrV: cute.Tensor, lazy: cutlass.Constexpr[bool] = False):
     """other_tile_pv's steps a, b up to the issue of O_w += P V_w: the caller waits for it (and releases the stage)
-    after issuing its own next wgmma behind it."""
+    after issuing its own next wgmma behind it. `lazy` (the owner's max moves by quad_row_max(lazy=True)): O_w's
+    rescale skipped in warps where no row's max moved."""
     cute.arch.barrier(barrier_id=BAR_P_READY + 1 - cw, number_of_threads=CONSUMER_THREADS)
     wait_stage(st)
     alpha = cute.make_rmem_tensor(2, Float32)
     m_base = cute.make_rmem_tensor(2, Float32)
     for hr in cutlass.range_constexpr(2):
         move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
-    scale_rows(acc_o, alpha)
+    if const_expr(lazy):
+        scale_rows_moved(acc_o, alpha)
+    else:
+        scale_rows(acc_o, alpha)
     issue_mma(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
 
 
 @cute.jit
 def issue_mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-           zero_init: cutlass.Constexpr[bool]):
-    """acc (+)= A B over all k-blocks as one committed wgmma group, not waited for (the caller waits
-    with warpgroup.wait_group before it reads acc or reuses the operands' smem)."""
+           zero_init: cutlass.Constexpr[bool], k_begin: cutlass.Constexpr[int] = 0, k_end: cutlass.Constexpr = None):
+    """acc (+)= A B over k-blocks k_begin .. k_end (default all) as one committed wgmma group, not waited for (the
+    caller waits with warpgroup.wait_group before it reads acc or reuses the operands' smem)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+    for k in cutlass.range_constexpr(k_begin, cute.size(tCrA.shape[2]) if const_expr(k_end is None) else k_end):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

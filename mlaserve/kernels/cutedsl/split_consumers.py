@@ -30,6 +30,7 @@ BAR_P = 2
 CONSUMER_THREADS = 256
 HALF_V = 256          # columns of O per consumer
 BLOCK_ROWS = 64       # query rows (heads) of a CTA
+LAZY_RESCALE_LOG2 = 8.0  # quad_row_max(lazy=True): how far (log2 units) a row's max may rise before it moves
 
 
 def row_of(i: int) -> int:
@@ -91,14 +92,22 @@ def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tens
 
 
 @cute.jit
-def quad_row_max(mx: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor):
+def quad_row_max(mx: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, lazy: cutlass.Constexpr[bool] = False):
     """The seesaw consumers' step d: mx [2] (this thread's maxima of its two rows, the running max folded
-    in) reduced over the quad that shares the rows, then move_row_max -> (alpha, m_base), each [2]."""
+    in) reduced over the quad that shares the rows, then move_row_max -> (alpha, m_base), each [2].
+
+    `lazy`: a row keeps its running max unless the new one exceeds it by more than LAZY_RESCALE_LOG2 (so P
+    stays <= 2^LAZY_RESCALE_LOG2, exact in fp32 sums and bf16 / fp16 operands alike), which leaves alpha
+    exactly 1 on most tiles, so that scale_rows_moved skips O's rescale; the first finite max is always taken."""
     alpha = cute.make_rmem_tensor(2, Float32)
     m_base = cute.make_rmem_tensor(2, Float32)
     for hr in cutlass.range_constexpr(2):
         mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
         mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
+        if const_expr(lazy):
+            # -inf - -inf is NaN, which compares false: a row that has seen no key takes the new max
+            if mx[hr] - row_m[hr] <= LAZY_RESCALE_LOG2:
+                mx[hr] = row_m[hr]
         move_row_max(row_m, row_l, alpha, m_base, hr, mx[hr])
     return alpha, m_base
 
@@ -118,11 +127,14 @@ def move_row_max(row_m: cute.Tensor, row_l: cute.Tensor, alpha: cute.Tensor, m_b
 
 
 @cute.jit
-def exp_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor):
+def exp_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor, scale=None):
     """P = exp2(S - m_base) in place in acc_s (S in log2 units) and in rP's dtype in rP, its rows' sums
-    added into row_l."""
+    added into row_l. With `scale`, acc_s holds the unscaled S and P = exp2(S scale - m_base), one FFMA a value."""
     for i in cutlass.range_constexpr(cute.size(acc_s)):
-        p = cute.arch.exp2(acc_s[i] - m_base[row_of(i)])
+        if const_expr(scale is None):
+            p = cute.arch.exp2(acc_s[i] - m_base[row_of(i)])
+        else:
+            p = cute.arch.exp2(acc_s[i] * scale - m_base[row_of(i)])     # contracted to one FFMA
         acc_s[i] = p
         row_l[row_of(i)] = row_l[row_of(i)] + p
     rP.store(acc_s.load().to(rP.element_type))
@@ -143,6 +155,13 @@ def scale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
     """O_w *= alpha per row."""
     for i in cutlass.range_constexpr(cute.size(acc_o)):
         acc_o[i] = acc_o[i] * alpha[row_of(i)]
+
+
+@cute.jit
+def scale_rows_moved(acc_o: cute.Tensor, alpha: cute.Tensor):
+    """scale_rows where some row of the warp moved its max (alpha != 1): a warp-uniform branch around the FMULs."""
+    if cute.arch.vote_any_sync((alpha[0] != 1.0) | (alpha[1] != 1.0)):
+        scale_rows(acc_o, alpha)
 
 
 @cute.jit
