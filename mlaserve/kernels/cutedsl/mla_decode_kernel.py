@@ -89,8 +89,8 @@ from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
     other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, take_row_sums)
-from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, quad_row_max, scale_rows, scale_rows_moved,
-                                                      store_dense_block, store_dense_lse)
+from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, fold_row_max, quad_row_max, scale_rows,
+                                                      scale_rows_moved, store_dense_block, store_dense_lse)
 from mlaserve.kernels.cutedsl.stream_k_pieces import first_piece, merge_piece, piece_of
 from mlaserve.kernels.cutedsl.ticket_scheduler import (ITEM_STAGES, fetch_ticket, init_scheduler, next_item,
                                                        publish_item, rank_requests)
@@ -137,7 +137,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 s_early: int = 0):
+                 s_early: int = 0, tree_max: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -174,6 +174,8 @@ class MLADecodeSm90:
         # the page has landed, before it waits for the other consumer's P of the tile before, so that the tensor
         # cores run them during the other's softmax; the rest of S follows that P's P V as before
         self.s_early = s_early
+        # each row's maximum over S folded pairwise (fold_row_max), not as one chain of dependent FMNMX
+        self.tree_max = tree_max
         if s_early and cluster == 1:
             raise ValueError("s_early is a schedule of clustered launches")
         if not 0 <= s_early <= D_QK // 16:
@@ -557,8 +559,7 @@ class MLADecodeSm90:
             else:
                 mx[0] = row_m[0]
                 mx[1] = row_m[1]
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                mx[(i // 2) % 2] = cute.arch.fmax(mx[(i // 2) % 2], acc_s[i])
+            fold_row_max(acc_s, mx, self.tree_max)
             if const_expr(self.fold_scale):
                 for hr in cutlass.range_constexpr(2):
                     mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)

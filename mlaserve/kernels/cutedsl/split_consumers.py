@@ -92,6 +92,27 @@ def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tens
 
 
 @cute.jit
+def fold_row_max(acc_s: cute.Tensor, mx: cute.Tensor, tree: cutlass.Constexpr[bool] = False):
+    """mx[r] = max(mx[r], this thread's values of row r in acc_s), for its two rows. `tree`: each row's values
+    folded pairwise (depth log2 n, not a chain of n dependent FMNMX), then mx[r] folded in; the same maxima."""
+    if const_expr(not tree):
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            mx[row_of(i)] = cute.arch.fmax(mx[row_of(i)], acc_s[i])
+    else:
+        for hr in cutlass.range_constexpr(2):
+            mx[hr] = cute.arch.fmax(mx[hr], _tree_max([acc_s[i] for i in range(cute.size(acc_s)) if row_of(i) == hr]))
+
+
+def _tree_max(vals: list):
+    """The max of traced values, folded pairwise (plain Python at trace time: the DSL rewrites loops only in
+    cute.jit functions)."""
+    if len(vals) == 1:
+        return vals[0]
+    half = len(vals) // 2
+    return cute.arch.fmax(_tree_max(vals[:half]), _tree_max(vals[half:]))
+
+
+@cute.jit
 def quad_row_max(mx: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, lazy: cutlass.Constexpr[bool] = False):
     """The seesaw consumers' step d: mx [2] (this thread's maxima of its two rows, the running max folded
     in) reduced over the quad that shares the rows, then move_row_max -> (alpha, m_base), each [2].
