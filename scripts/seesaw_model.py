@@ -1,0 +1,132 @@
+"""A clock-by-clock model of the CuTe bf16 decode's seesaw (one CTA of a 2-CTA cluster, two consumer warpgroups, a
+2-stage ring of 64-key pages), to compare consumer schedules before device time is spent on them.
+
+Each consumer runs its program of the kernel's steps (mla_decode_kernel.py, _consume_item): wait for a page, issue a
+wgmma group, wait for its groups, compute (the softmax, O's rescale), publish P, release a stage. The tensor cores
+are one resource that the two consumers' running groups share evenly, each consumer's groups in issue order; a
+stage's next page lands `load` clocks after both consumers released it.
+
+Costs in clocks of one SM: S = Q K^T of a page 1152 (m64n64, K 576: 2.36 M MACs at 2048 a clock), a consumer's P V
+half 512; `softmax` the owner's step d-e (mask, max, exp2, P to smem, fence, barrier); `rescale` O's 128 FMULs.
+With softmax 650, rescale 150 the default schedule gives ~3.0 k clocks a tile, as the H200's traces measured
+(bench/NOTES.md 54: 3.02 k against the 2.18 k floor of its wgmmas).
+
+    python scripts/seesaw_model.py                       # the default against S's first k-blocks early
+    python scripts/seesaw_model.py --softmax 500 --rescale 0 --load 800,1600
+"""
+
+import argparse
+import itertools
+
+S_CLOCKS = 1152
+PV_CLOCKS = 512
+K_BLOCKS = 36        # S's k-blocks (576 / 16)
+
+
+def program(w: int, n_tiles: int, early: int, softmax: int, rescale: int):
+    """Consumer w's steps over the tiles it owns (t % 2 == w) and the other's last tile, as in _consume_item's
+    clustered form; `early` of S's K_BLOCKS k-blocks issued before the wait for the other's P (S_EARLY_KBLOCKS)."""
+    s_early = S_CLOCKS * early / K_BLOCKS
+    for t in range(w, n_tiles, 2):
+        if early:
+            yield "wait_page", t
+            yield "issue", s_early
+        if t > 0:
+            yield "wait_p", t - 1
+            if early:
+                yield "wait_groups", 0        # ptxas waits for the early part before O's rescale (C7517)
+            yield "compute", rescale
+            yield "issue", PV_CLOCKS
+        if not early:
+            yield "wait_page", t
+        if early < K_BLOCKS:
+            yield "issue", S_CLOCKS - s_early
+            yield "wait_groups", 1
+        else:
+            yield "wait_groups", 0
+        if t > 0:
+            yield "release", t - 1
+        yield "wait_groups", 0
+        yield "compute", softmax
+        yield "publish", t
+        yield "compute", rescale
+        yield "issue", PV_CLOCKS
+        yield "wait_groups", 0
+        yield "release", t
+    if (n_tiles - 1) % 2 != w:
+        yield "wait_p", n_tiles - 1
+        yield "compute", rescale
+        yield "issue", PV_CLOCKS
+        yield "wait_groups", 0
+        yield "release", n_tiles - 1
+
+
+def simulate(n_tiles: int = 64, early: int = 0, softmax: int = 650, rescale: int = 150, load: int = 1400):
+    """-> (clocks for n_tiles tiles, clocks the tensor cores were busy)."""
+    released = {}                  # (tile, consumer) -> clock
+    published = {}                 # tile -> clock its P was published
+    progs = [program(w, n_tiles, early, softmax, rescale) for w in (0, 1)]
+    step = [next(p, None) for p in progs]
+    queue = [[], []]               # each consumer's issued groups: work left, in issue order
+    busy = [0, 0]                  # a consumer computes until this clock
+    clock = tensor = 0
+
+    def landed(t):
+        if t < 2:
+            return load
+        both = [released.get((t - 2, w)) for w in (0, 1)]
+        return None if None in both else max(both) + load
+
+    while step[0] is not None or step[1] is not None or queue[0] or queue[1]:
+        for w in (0, 1):
+            while step[w] is not None and busy[w] <= clock:
+                op, arg = step[w]
+                if op == "wait_page" and (landed(arg) is None or landed(arg) > clock):
+                    break
+                if op == "wait_p" and published.get(arg, clock + 1) > clock:
+                    break
+                if op == "wait_groups" and len(queue[w]) > arg:
+                    break
+                if op == "compute":
+                    busy[w] = clock + arg
+                elif op == "issue":
+                    queue[w].append(arg)
+                elif op == "publish":
+                    published[arg] = clock
+                elif op == "release":
+                    released[(arg, w)] = clock
+                step[w] = next(progs[w], None)
+        running = [w for w in (0, 1) if queue[w]]
+        if running:
+            tensor += 1
+            for w in running:
+                queue[w][0] -= 1 / len(running)
+                if queue[w][0] <= 1e-9:
+                    queue[w].pop(0)
+        clock += 1
+        if clock > 1000 * n_tiles * (S_CLOCKS + 2 * PV_CLOCKS):
+            raise RuntimeError("the schedule deadlocks")
+    return clock, tensor
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiles", type=int, default=64)
+    ap.add_argument("--softmax", default="500,650,800", help="comma list of softmax clocks")
+    ap.add_argument("--rescale", default="150", help="comma list of O-rescale clocks")
+    ap.add_argument("--load", default="800,1200,1600,2000", help="comma list: release to landed page, clocks")
+    ap.add_argument("--early", default="8,12,16,24,36", help="comma list of S_EARLY_KBLOCKS to compare with 0")
+    a = ap.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",")]   # noqa: E731
+    print(f"clocks a tile (tensor-core busy share); the wgmma floor is {S_CLOCKS + 2 * PV_CLOCKS}")
+    for softmax, rescale, load in itertools.product(ints(a.softmax), ints(a.rescale), ints(a.load)):
+        base, busy = simulate(a.tiles, 0, softmax, rescale, load)
+        row = f"softmax {softmax:4d} rescale {rescale:3d} load {load:4d}: default {base / a.tiles:5.0f} ({busy / base:.0%})"
+        for early in ints(a.early):
+            t, _ = simulate(a.tiles, early, softmax, rescale, load)
+            row += f"  early {early} {t / a.tiles:5.0f} ({base / t:.3f}x)"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
