@@ -47,6 +47,7 @@ switches, read at launch (so captured with each graph):
   S_EARLY        cutedsl: 16-bit KV in clusters, each consumer's first $DA_S_EARLY_KBLOCKS (default 12) of its S's 36
                  k-blocks issued before it waits for the other's P, against all of S behind the other's tile's P V
   TREE_MAX       cutedsl: 16-bit KV, each row's max over S folded pairwise against one chain of dependent FMNMX
+  P_STMATRIX     cutedsl: 16-bit KV, P into smem by 4 stmatrix a thread against 16 4-byte stores
   BALANCED_SPLITS   triton: the plan's split count from the requests' host lengths (two splits where variable
                     lengths leave SMs idle: mla_decode_plan.balanced_splits) against from shapes only
 
@@ -173,6 +174,7 @@ SWITCHES = {
     "FOLD_SCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FOLD_SCALE")),
     "S_EARLY": ("cutedsl", _s_early),
     "TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "TREE_MAX")),
+    "P_STMATRIX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "P_STMATRIX")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

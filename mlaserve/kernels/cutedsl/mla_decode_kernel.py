@@ -82,7 +82,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
@@ -137,7 +137,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 s_early: int = 0, tree_max: bool = False):
+                 s_early: int = 0, tree_max: bool = False, p_stmatrix: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -176,6 +176,8 @@ class MLADecodeSm90:
         self.s_early = s_early
         # each row's maximum over S folded pairwise (fold_row_max), not as one chain of dependent FMNMX
         self.tree_max = tree_max
+        # P(t) into smem by stmatrix (4 x4 stores, one address each) instead of 16 4-byte stores with an address each
+        self.p_stmatrix = p_stmatrix
         if s_early and cluster == 1:
             raise ValueError("s_early is a schedule of clustered launches")
         if not 0 <= s_early <= D_QK // 16:
@@ -397,7 +399,7 @@ class MLADecodeSm90:
             if const_expr(not self.persistent):
                 self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sKV,
                                    sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen, start, n_tiles, 0, batch,
-                                   split, m_block, s_q, h, rows, scale_log2)
+                                   split, m_block, s_q, h, rows, scale_log2, sP=sP)
             elif const_expr(self.streamk):
                 rank = 0
                 if const_expr(self.cluster > 1):
@@ -414,7 +416,7 @@ class MLADecodeSm90:
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, lo * TILE_N, hi - lo,
                                        g, batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot,
-                                       (item, lo, hi, n_i, by, num_splits, rank, storage), mTrace)
+                                       (item, lo, hi, n_i, by, num_splits, rank, storage), mTrace, sP)
                     self._trace_item(mTrace, slot, cw, ctid, False)
                     q_state.advance()
                     piece = piece + 1
@@ -441,7 +443,7 @@ class MLADecodeSm90:
                     self._trace_item(mPO, slot, cw, ctid, True)
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, 0, n_tiles_i, g,
-                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot)
+                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot, sP=sP)
                     self._trace_item(mPO, slot, cw, ctid, False)
                     q_state.advance()
                     g = g + n_tiles_i
@@ -484,13 +486,19 @@ class MLADecodeSm90:
                       mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, cw: Int32, ctid: Int32,
                       seqlen: Int32, start: Int32, n_tiles: Int32, g, batch: Int32, split: Int32, m_block: Int32,
                       s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32, trace_slot: Int32 = 0, piece=None,
-                      mTrace=None):
+                      mTrace=None, sP: cute.Tensor = None):
         """One consumer's part of one (request, row tile, split): its tiles of the seesaw, then its half of the
         output. `g` counts the tiles this CTA ran before (persistent launches; 0 otherwise): ring stage and owner
         of the item's tile t are those of tile g + t. `piece` (stream-K launches): (item, first tile, end tile,
         the item's tiles, slot, slots, cluster rank, smem storage) for merge_piece. `mTrace`: where traced
         launches record (mPO by default; stream-K launches' is in the schedule's buffer)."""
         (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
+        if const_expr(self.p_stmatrix):
+            stsm = cute.make_tiled_copy_C(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_qk)
+            thr_stsm = stsm.get_slice(ctid)
+            tPsP_stsm = thr_stsm.partition_D(sP)
+            tPrP_stsm = thr_stsm.retile(rP)
         mT = mPO if mTrace is None else mTrace
         # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
         # the row), shared with the three other lanes of its quad.
@@ -566,7 +574,10 @@ class MLADecodeSm90:
             alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
             exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
             # -- e: publish P(t), m(t) --
-            cute.autovec_copy(rP, tPsP)
+            if const_expr(self.p_stmatrix):
+                cute.copy(stsm, tPrP_stsm, tPsP_stsm)
+            else:
+                cute.autovec_copy(rP, tPsP)
             if ctid % 4 == 0:
                 sMax[r0] = row_m[0]
                 sMax[r0 + 8] = row_m[1]
