@@ -48,6 +48,8 @@ switches, read at launch (so captured with each graph):
                  k-blocks issued before it waits for the other's P, against all of S behind the other's tile's P V
   TREE_MAX       cutedsl: 16-bit KV, each row's max over S folded pairwise against one chain of dependent FMNMX
   P_STMATRIX     cutedsl: 16-bit KV, P into smem by 4 stmatrix a thread against 16 4-byte stores
+  EXP2_POLY      cutedsl: 16-bit KV, $DA_EXP2_POLY (default 6) of a thread's 32 exponentials a tile by a cubic on the
+                 FMA pipe against all on the MUFU
   BALANCED_SPLITS   triton: the plan's split count from the requests' host lengths (two splits where variable
                     lengths leave SMs idle: mla_decode_plan.balanced_splits) against from shapes only
 
@@ -142,6 +144,12 @@ def _s_early(on: bool):
     m.S_EARLY_KBLOCKS = int(os.environ.get("DA_S_EARLY_KBLOCKS", "12")) if on else 0
 
 
+def _exp2_poly(on: bool):
+    """DA_EXP2_POLY (default 6) of a thread's 32 exponentials a tile on the FMA pipe, against 0."""
+    m = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    m.EXP2_POLY = int(os.environ.get("DA_EXP2_POLY", "6")) if on else 0
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -175,6 +183,7 @@ SWITCHES = {
     "S_EARLY": ("cutedsl", _s_early),
     "TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "TREE_MAX")),
     "P_STMATRIX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "P_STMATRIX")),
+    "EXP2_POLY": ("cutedsl", _exp2_poly),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

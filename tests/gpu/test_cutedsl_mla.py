@@ -194,7 +194,7 @@ def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, m
 
 
 @pytest.mark.parametrize("switch", ["LAZY_RESCALE", "FOLD_SCALE", "S_EARLY_KBLOCKS=12", "S_EARLY_KBLOCKS=36",
-                                    "TREE_MAX", "P_STMATRIX", "all"])
+                                    "TREE_MAX", "P_STMATRIX", "EXP2_POLY=8", "EXP2_POLY=32", "all"])
 @pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, q_gain", [
     (8, 2, 64, 1, None, 1.0),      # a grid (too few items to run persistent), clusters of 2
     (8, 1, 64, 1, None, 4.0),      # a grid of single CTAs; logits 4x as wide, so that row maxima jump by > 2^8
@@ -204,8 +204,8 @@ def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, m
 ])
 def test_seesaw_switches_match_reference(monkeypatch, switch, b, s_q, h, num_splits, min_tiles, q_gain):
     """The seesaw consumers' switches (mla_decode.LAZY_RESCALE, FOLD_SCALE, S_EARLY_KBLOCKS, TREE_MAX, P_STMATRIX,
-    and all of them) on ragged lengths with empty and one-token requests: each within the reference's tolerances;
-    S_EARLY_KBLOCKS alone only reorders the wgmmas (S's k-blocks accumulate in the same order), TREE_MAX only the
+    EXP2_POLY, and all of them) on ragged lengths with empty and one-token requests: each within the reference's
+    tolerances; S_EARLY_KBLOCKS alone only reorders the wgmmas (S's k-blocks accumulate in the same order), TREE_MAX only the
     maxima's order (the same maxima) and P_STMATRIX only how P reaches smem, so each of them gives the default's
     bits."""
     if min_tiles is not None:
@@ -215,8 +215,8 @@ def test_seesaw_switches_match_reference(monkeypatch, switch, b, s_q, h, num_spl
     q = q * q_gain
     ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    for name in (("LAZY_RESCALE", "FOLD_SCALE", "S_EARLY_KBLOCKS=12", "TREE_MAX", "P_STMATRIX") if switch == "all"
-                 else (switch,)):
+    for name in (("LAZY_RESCALE", "FOLD_SCALE", "S_EARLY_KBLOCKS=12", "TREE_MAX", "P_STMATRIX", "EXP2_POLY=8")
+                 if switch == "all" else (switch,)):
         name, _, value = name.partition("=")
         monkeypatch.setattr(cd, name, int(value) if value else True)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)

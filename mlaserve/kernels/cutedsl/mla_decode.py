@@ -214,12 +214,14 @@ EARLY_SUMS = False
 # moved; FOLD_SCALE, S left unscaled, the softmax scale applied in exp2's FFMA; S_EARLY_KBLOCKS (clusters), each
 # consumer issues that many of its tile's 36 k-blocks of S before it waits for the other's P of the tile before;
 # TREE_MAX, each row's max over S folded pairwise instead of as one chain of dependent FMNMX; P_STMATRIX, P into
-# smem by 4 stmatrix instead of 16 4-byte stores
+# smem by 4 stmatrix instead of 16 4-byte stores; EXP2_POLY, that many of a thread's 32 exponentials a tile by a
+# cubic on the FMA pipe instead of the MUFU
 LAZY_RESCALE = False
 FOLD_SCALE = False
 S_EARLY_KBLOCKS = 0
 TREE_MAX = False
 P_STMATRIX = False
+EXP2_POLY = 0
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -348,7 +350,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("early-refill",)
     seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE,
                                 "s_early": S_EARLY_KBLOCKS if cluster > 1 else 0, "tree_max": TREE_MAX,
-                                "p_stmatrix": P_STMATRIX}
+                                "p_stmatrix": P_STMATRIX, "exp2_poly": EXP2_POLY}
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:

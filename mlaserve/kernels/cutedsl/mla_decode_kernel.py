@@ -137,7 +137,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 s_early: int = 0, tree_max: bool = False, p_stmatrix: bool = False):
+                 s_early: int = 0, tree_max: bool = False, p_stmatrix: bool = False, exp2_poly: int = 0):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -178,6 +178,8 @@ class MLADecodeSm90:
         self.tree_max = tree_max
         # P(t) into smem by stmatrix (4 x4 stores, one address each) instead of 16 4-byte stores with an address each
         self.p_stmatrix = p_stmatrix
+        # that many of a thread's 32 exponentials a tile on the FMA pipe (split_consumers.exp2_poly), not the MUFU
+        self.exp2_poly = exp2_poly
         if s_early and cluster == 1:
             raise ValueError("s_early is a schedule of clustered launches")
         if not 0 <= s_early <= D_QK // 16:
@@ -572,7 +574,7 @@ class MLADecodeSm90:
                 for hr in cutlass.range_constexpr(2):
                     mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)
             alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
-            exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
+            exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None, self.exp2_poly)
             # -- e: publish P(t), m(t) --
             if const_expr(self.p_stmatrix):
                 cute.copy(stsm, tPrP_stsm, tPsP_stsm)
