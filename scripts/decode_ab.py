@@ -50,6 +50,8 @@ switches, read at launch (so captured with each graph):
   P_STMATRIX     cutedsl: 16-bit KV, P into smem by 4 stmatrix a thread against 16 4-byte stores
   EXP2_POLY      cutedsl: 16-bit KV, $DA_EXP2_POLY (default 6) of a thread's 32 exponentials a tile by a cubic on the
                  FMA pipe against all on the MUFU
+  SEESAW_SET     cutedsl: 16-bit KV, the seesaw switches of $DA_SEESAW together (default
+                 "FOLD_SCALE,TREE_MAX,P_STMATRIX,EXP2_POLY=6": NAME or NAME=VALUE, comma-separated) against none
   BALANCED_SPLITS   triton: the plan's split count from the requests' host lengths (two splits where variable
                     lengths leave SMs idle: mla_decode_plan.balanced_splits) against from shapes only
 
@@ -150,6 +152,23 @@ def _exp2_poly(on: bool):
     m.EXP2_POLY = int(os.environ.get("DA_EXP2_POLY", "6")) if on else 0
 
 
+SEESAW_SWITCHES = {"LAZY_RESCALE": False, "FOLD_SCALE": False, "S_EARLY_KBLOCKS": 0, "TREE_MAX": False,
+                   "P_STMATRIX": False, "EXP2_POLY": 0}
+
+
+def _seesaw_set(on: bool):
+    """The seesaw switches named in DA_SEESAW (NAME or NAME=VALUE, comma-separated) all on, against all off."""
+    m = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    for name, off in SEESAW_SWITCHES.items():
+        setattr(m, name, off)
+    if on:
+        for item in os.environ.get("DA_SEESAW", "FOLD_SCALE,TREE_MAX,P_STMATRIX,EXP2_POLY=6").split(","):
+            name, _, value = item.strip().partition("=")
+            if name not in SEESAW_SWITCHES:
+                raise SystemExit(f"DA_SEESAW: {name!r} is not one of {', '.join(SEESAW_SWITCHES)}")
+            setattr(m, name, type(SEESAW_SWITCHES[name])(int(value)) if value else True)
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -184,6 +203,7 @@ SWITCHES = {
     "TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "TREE_MAX")),
     "P_STMATRIX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "P_STMATRIX")),
     "EXP2_POLY": ("cutedsl", _exp2_poly),
+    "SEESAW_SET": ("cutedsl", _seesaw_set),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

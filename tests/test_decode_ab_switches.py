@@ -1,0 +1,34 @@
+"""scripts/decode_ab.py's seesaw switches: SEESAW_SET turns the named mla_decode flags on together and every one of
+them back off (a setter that left one on would compare two 'on' kernels)."""
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("decode_ab", Path(__file__).resolve().parents[1] / "scripts" /
+                                               "decode_ab.py")
+decode_ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_ab)
+cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+
+
+def test_the_seesaw_switches_off_are_the_kernels_defaults():
+    for name, off in decode_ab.SEESAW_SWITCHES.items():
+        assert getattr(cd, name) == off and type(getattr(cd, name)) is type(off), name
+
+
+def test_seesaw_set_turns_the_named_switches_on_and_all_off(monkeypatch):
+    for name in decode_ab.SEESAW_SWITCHES:
+        monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
+    monkeypatch.setenv("DA_SEESAW", "FOLD_SCALE, EXP2_POLY=8,S_EARLY_KBLOCKS=12")
+    _, switch = decode_ab.SWITCHES["SEESAW_SET"]
+    switch(True)
+    assert (cd.FOLD_SCALE, cd.EXP2_POLY, cd.S_EARLY_KBLOCKS) == (True, 8, 12)
+    assert not cd.TREE_MAX and not cd.LAZY_RESCALE and not cd.P_STMATRIX
+    switch(False)
+    assert all(getattr(cd, name) == off for name, off in decode_ab.SEESAW_SWITCHES.items())
+    monkeypatch.setenv("DA_SEESAW", "FOLD_SCALE,NO_SUCH_SWITCH")
+    with pytest.raises(SystemExit, match="NO_SUCH_SWITCH"):
+        switch(True)
