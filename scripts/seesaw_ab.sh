@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The CuTe seesaw's switches (bench/NOTES.md 92), each on against off in scripts/decode_ab.py at the 128-row shapes,
+# on a Hopper GPU with the CuTe DSL on the path (scripts/device_run.sh's phases cutedsl1, cutedsl2). Run as the device
+# script's "script" phase, e.g.
+#   PHASES=env,cutedsl2,pytest,script PYTEST_ARGS="-q tests/gpu/test_cutedsl_mla.py -k seesaw_switches" \
+#     SCRIPT_CMD="bash scripts/seesaw_ab.sh" T_SCRIPT=330 DEVICE_BUDGET_S=590 bash scripts/device_run.sh
+# SEESAW_AB_SWITCHES picks the switches (default below; S_EARLY takes DA_S_EARLY_KBLOCKS, EXP2_POLY DA_EXP2_POLY,
+# SEESAW_SET DA_SEESAW), SEESAW_AB_SHAPES the shapes, SEESAW_AB_ROUNDS the rounds (10), SEESAW_AB_T the seconds each
+# switch may take (60).
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+SWITCHES=${SEESAW_AB_SWITCHES:-FOLD_SCALE TREE_MAX P_STMATRIX EXP2_POLY LAZY_RESCALE S_EARLY}
+SHAPES=${SEESAW_AB_SHAPES:-"b128 h128 sk4096,b128 h128 sq2 sk4096,b128 h64 sq2 sk8192,b128 h128 sk32768,b4 h128 sk32768"}
+for sw in $SWITCHES; do
+  echo "=== $sw (DA_S_EARLY_KBLOCKS=${DA_S_EARLY_KBLOCKS:-12} DA_EXP2_POLY=${DA_EXP2_POLY:-6} DA_SEESAW=${DA_SEESAW:-})"
+  timeout "${SEESAW_AB_T:-60}" python3 scripts/decode_ab.py --switch "$sw" --rounds "${SEESAW_AB_ROUNDS:-10}" \
+    --shapes "$SHAPES" 2>&1 | grep -v -i "warning"
+  echo "=== $sw: rc $?"
+done
