@@ -52,6 +52,10 @@ switches, read at launch (so captured with each graph):
                  FMA pipe against all on the MUFU
   SEESAW_SET     cutedsl: 16-bit KV, the seesaw switches of $DA_SEESAW together (default
                  "FOLD_SCALE,TREE_MAX,P_STMATRIX,EXP2_POLY=6": NAME or NAME=VALUE, comma-separated) against none
+  TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
+                    twice that split) against the table's bound
+  NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
+                    page's S^T right behind this page's O^T (mla_decode_gluon_narrow.PIPE_S) against after waiting
   BALANCED_SPLITS   triton: the plan's split count from the requests' host lengths (two splits where variable
                     lengths leave SMs idle: mla_decode_plan.balanced_splits) against from shapes only
 
