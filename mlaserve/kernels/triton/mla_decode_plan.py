@@ -200,6 +200,8 @@ BALANCE_MIN_PAGES = 48    # mean pages a request: below it (unmeasured) no balan
 def lpt_makespan(items: Sequence[float], slots: int) -> float:
     """The time of `items` on `slots` identical workers taken longest first, each to the least loaded worker
     (what a grid of more programs than SMs, ordered longest first, does)."""
+    if len(items) <= slots:
+        return max(items, default=0)
     loads = [0.0] * slots
     for w in sorted(items, reverse=True):
         heapq.heapreplace(loads, loads[0] + w)
@@ -210,12 +212,22 @@ def balanced_splits(programs_per_request: int, sms: int, pages: Sequence[int]) -
     """KV splits a request (1 or 2) for a step of requests of `pages` pages each (host lengths) whose programs fit
     one wave (programs <= sms; grids of several waves are ordered longest first instead): 2 where the
     list-scheduling estimate (module comment above) says that halves run the step BALANCE_MIN_GAIN faster."""
+    return _balanced_splits(programs_per_request, sms, tuple(pages), BALANCE_SPLITS, BALANCE_ITEM_PAGES,
+                            BALANCE_SPLIT_COST, BALANCE_MIN_GAIN, BALANCE_MIN_PAGES)
+
+
+@functools.lru_cache(maxsize=16)
+def _balanced_splits(programs_per_request: int, sms: int, pages: tuple[int, ...], on: bool, item_pages: int,
+                     split_cost: float, min_gain: float, min_pages: int) -> int:
+    """balanced_splits with its module constants as arguments, cached: a step's choice and plan ask it twice
+    (AutoBackend.choose through splits_for_balance, then plan_mla_decode), and the requests' pages stay the same
+    over the 64 decode steps a page lasts (the estimate is ~0.1 ms of Python at b 128)."""
     b = len(pages)
-    if not BALANCE_SPLITS or b * programs_per_request > sms or sum(pages) < BALANCE_MIN_PAGES * b:
+    if not on or b * programs_per_request > sms or sum(pages) < min_pages * b:
         return 1
-    whole = lpt_makespan([p + BALANCE_ITEM_PAGES for p in pages for _ in range(programs_per_request)], sms)
-    halves = [-(-p // 2) + BALANCE_ITEM_PAGES for p in pages for _ in range(2 * programs_per_request)]
-    return 2 if lpt_makespan(halves, sms) * BALANCE_SPLIT_COST * BALANCE_MIN_GAIN < whole else 1
+    whole = lpt_makespan([p + item_pages for p in pages for _ in range(programs_per_request)], sms)
+    halves = [-(-p // 2) + item_pages for p in pages for _ in range(2 * programs_per_request)]
+    return 2 if lpt_makespan(halves, sms) * split_cost * min_gain < whole else 1
 
 
 def splits_for_balance(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
