@@ -81,8 +81,7 @@ def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tens
     mx = cute.make_rmem_tensor(2, Float32)
     mx[0] = -Float32.inf
     mx[1] = -Float32.inf
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        mx[row_of(i)] = cute.arch.fmax(mx[row_of(i)], acc_s[i])
+    fold_row_max(acc_s, mx)
     for hr in cutlass.range_constexpr(2):
         mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
         mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
