@@ -193,6 +193,10 @@ def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, m
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+SEESAW_OFF = {"LAZY_RESCALE": False, "FOLD_SCALE": False, "S_EARLY_KBLOCKS": 0, "TREE_MAX": False,
+              "P_STMATRIX": False, "EXP2_POLY": 0}
+
+
 @pytest.mark.parametrize("switch", ["LAZY_RESCALE", "FOLD_SCALE", "S_EARLY_KBLOCKS=12", "S_EARLY_KBLOCKS=36",
                                     "TREE_MAX", "P_STMATRIX", "EXP2_POLY=8", "EXP2_POLY=32", "all"])
 @pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, q_gain", [
@@ -204,12 +208,15 @@ def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, m
 ])
 def test_seesaw_switches_match_reference(monkeypatch, switch, b, s_q, h, num_splits, min_tiles, q_gain):
     """The seesaw consumers' switches (mla_decode.LAZY_RESCALE, FOLD_SCALE, S_EARLY_KBLOCKS, TREE_MAX, P_STMATRIX,
-    EXP2_POLY, and all of them) on ragged lengths with empty and one-token requests: each within the reference's
-    tolerances; S_EARLY_KBLOCKS alone only reorders the wgmmas (S's k-blocks accumulate in the same order), TREE_MAX only the
-    maxima's order (the same maxima) and P_STMATRIX only how P reaches smem, so each of them gives the default's
-    bits."""
+    EXP2_POLY, and all of them), each on against all of them off, on ragged lengths with empty and one-token
+    requests: each within the reference's tolerances; S_EARLY_KBLOCKS alone only reorders the wgmmas (S's k-blocks
+    accumulate in the same order), TREE_MAX only the maxima's order (the same maxima) and P_STMATRIX only how P
+    reaches smem, so each of them gives the bits of all off. (The defaults, three of them on, are what every other
+    test here runs.)"""
     if min_tiles is not None:
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
+    for name, off in SEESAW_OFF.items():
+        monkeypatch.setattr(cd, name, off)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + s_q + int(q_gain))
     q = q * q_gain

@@ -209,17 +209,19 @@ FP8_MMA_EARLY_REFILL = True
 # 0.1-1.8% faster at every 128-row shape, the same bits (bench/NOTES.md 61); the early form stays for the FP8 kernel
 # and for A/B runs
 EARLY_SUMS = False
-# 16-bit KV, switches of the seesaw consumers (False: for A/B runs): LAZY_RESCALE, a row's running max moves only
+# 16-bit KV, switches of the seesaw consumers: LAZY_RESCALE, a row's running max moves only
 # when it rises by more than split_consumers.LAZY_RESCALE_LOG2 and O's rescale is skipped in warps where no row
 # moved; FOLD_SCALE, S left unscaled, the softmax scale applied in exp2's FFMA; S_EARLY_KBLOCKS (clusters), each
 # consumer issues that many of its tile's 36 k-blocks of S before it waits for the other's P of the tile before;
 # TREE_MAX, each row's max over S folded pairwise instead of as one chain of dependent FMNMX; P_STMATRIX, P into
 # smem by 4 stmatrix instead of 16 4-byte stores; EXP2_POLY, that many of a thread's 32 exponentials a tile by a
-# cubic on the FMA pipe instead of the MUFU
-LAZY_RESCALE = False
-FOLD_SCALE = False
+# cubic on the FMA pipe instead of the MUFU. On the H200 (bench/NOTES.md 93) LAZY_RESCALE was 0.8-2.3% faster at
+# the 128-row shapes of 128 requests, TREE_MAX 0.2-1.1%, FOLD_SCALE 0-0.3%, the three together 1.9-2.7% at 4k-8k:
+# on by default. S_EARLY_KBLOCKS=8 was 10-14% slower, P_STMATRIX 0-0.8% and EXP2_POLY=6 0.4-2.1%: off (A/B runs)
+LAZY_RESCALE = True
+FOLD_SCALE = True
 S_EARLY_KBLOCKS = 0
-TREE_MAX = False
+TREE_MAX = True
 P_STMATRIX = False
 EXP2_POLY = 0
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
