@@ -41,7 +41,10 @@ def test_auto_decode_peers_follow_the_rules_and_match_triton(tmp_path):
         assert a.token_ids[0] == t.token_ids[0]
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, t.token_ids)) if x != y), len(t.token_ids))
         diffs = [abs(x - y) for x, y in zip(a.logprobs[:n], t.logprobs[:n])]
-        assert max(diffs) < 0.05, diffs
+        # bf16 noise: against a float32 run of the torch backend, this model's first logprobs move by up to 0.058
+        # in torch's own bf16 run and by up to 0.056 in triton's and the CuTe DSL's (H200, bench/NOTES.md 93), so
+        # two bf16 kernels may differ by twice that; a wrong kernel moves them by whole units
+        assert max(diffs) < 0.12, diffs
         compared += n - 1
         if n < len(t.token_ids):
             # greedy decoding of a random model parts where its top two tokens are near-tied: each run's own
