@@ -28,6 +28,9 @@ switches, read at launch (so captured with each graph):
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
+  SPARSE_LAZY_RESCALE, SPARSE_TREE_MAX  cutedsl sparse MLA, 16-bit KV (sparse shapes): the seesaw kernel's
+                    LAZY_RESCALE / TREE_MAX below, each against off
+  SPARSE_SOFTMAX    both together against neither
   GLUON_BT_EARLY    triton: the 64-row and narrow Gluon kernels' producers reading a page's block-table entry
                     before waiting for its stage against after
   GLUON_STORE_16B   triton: the 64-row Gluon kernel's O converted to 16 bytes a thread before the stores
@@ -173,6 +176,16 @@ def _seesaw_set(on: bool):
             setattr(m, name, type(SEESAW_SWITCHES[name])(int(value)) if value else True)
 
 
+SPARSE_SOFTMAX = ("LAZY_RESCALE", "TREE_MAX")
+
+
+def _sparse_softmax(on: bool):
+    """The sparse seesaw kernel's softmax switches (sparse_mla.LAZY_RESCALE, TREE_MAX) together."""
+    m = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla")
+    for name in SPARSE_SOFTMAX:
+        setattr(m, name, on)
+
+
 # switch -> (backend, setter(on))
 SWITCHES = {
     "PERSISTENT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "PERSISTENT")),
@@ -190,6 +203,9 @@ SWITCHES = {
     "FP8_MMA_EARLY_REFILL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_EARLY_REFILL")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
+    "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),
+    "SPARSE_TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "TREE_MAX")),
+    "SPARSE_SOFTMAX": ("cutedsl", _sparse_softmax),
     "GLUON_BT_EARLY": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "BT_EARLY")),
     "GLUON_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "STORE_16B")),
     "GLUON_SEESAW": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "SEESAW")),

@@ -11,6 +11,11 @@ half 512; `softmax` the owner's step d-e (mask, max, exp2, P to smem, fence, bar
 With softmax 650, rescale 150 the default schedule gives ~3.0 k clocks a tile, as the H200's traces measured
 (bench/NOTES.md 54: 3.02 k against the 2.18 k floor of its wgmmas).
 
+Its predictions against the H200 (bench/NOTES.md 93): the signs held for early S (a loss: 10-14% at 8 k-blocks,
+where the model allowed a small gain if pages landed within ~1.2 k clocks) and for the lazy rescale (a gain:
+0.8-2.3%, under the ~5% the model credits a rescale never run); the FMA-pipe exponentials it put at 1-2% ahead
+measured 0.4-2.1% behind. Read its numbers as orderings to test, not as forecasts.
+
     python scripts/seesaw_model.py                       # the default against S's first k-blocks early
     python scripts/seesaw_model.py --softmax 500 --rescale 0 --load 800,1600
 """

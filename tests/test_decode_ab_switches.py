@@ -32,3 +32,17 @@ def test_seesaw_set_turns_the_named_switches_on_and_all_off(monkeypatch):
     monkeypatch.setenv("DA_SEESAW", "FOLD_SCALE,NO_SUCH_SWITCH")
     with pytest.raises(SystemExit, match="NO_SUCH_SWITCH"):
         switch(True)
+
+
+def test_sparse_softmax_switches_set_the_sparse_modules_flags(monkeypatch):
+    sp = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla")
+    for name in decode_ab.SPARSE_SOFTMAX:
+        monkeypatch.setattr(sp, name, getattr(sp, name))      # restored after the test
+    _, switch = decode_ab.SWITCHES["SPARSE_SOFTMAX"]
+    switch(True)
+    assert all(getattr(sp, name) is True for name in decode_ab.SPARSE_SOFTMAX)
+    _, one = decode_ab.SWITCHES["SPARSE_TREE_MAX"]
+    one(False)
+    assert (sp.LAZY_RESCALE, sp.TREE_MAX) == (True, False)
+    switch(False)
+    assert not any(getattr(sp, name) for name in decode_ab.SPARSE_SOFTMAX)

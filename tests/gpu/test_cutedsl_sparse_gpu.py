@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mlaserve import ops
+from mlaserve.kernels import reference
 from mlaserve.ops.registry import BACKENDS
 
 
@@ -54,6 +55,28 @@ def test_16_byte_stores_equal_value_stores(monkeypatch, h, dtype, num_splits):
     monkeypatch.setattr(sp, "STORE_16B", False)
     out1, lse1 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
+
+
+@pytest.mark.parametrize("switch", ["LAZY_RESCALE", "TREE_MAX", "both"])
+@pytest.mark.parametrize("h, dtype, num_splits, q_gain", [(128, torch.bfloat16, 1, 1.0), (80, torch.float16, 3, 4.0),
+                                                         (64, torch.bfloat16, None, 4.0)])
+def test_seesaw_softmax_switches_match_reference(monkeypatch, switch, h, dtype, num_splits, q_gain):
+    """The seesaw kernel's softmax switches (sparse_mla.LAZY_RESCALE, TREE_MAX, and both), each on against both
+    off: within the reference's tolerances, with -1 indices and NaN-poisoned slots (make_case), logits
+    4x as wide in two cases so that row maxima jump by more than 2^8; TREE_MAX alone only reorders the maxima (the
+    same maxima), so it gives the bits of both off."""
+    for name in ("LAZY_RESCALE", "TREE_MAX"):
+        monkeypatch.setattr(sp, name, False)
+    q, kv, idx = check.make_case(3, 2, h, 2048, 4096, dtype, seed=h + int(q_gain))
+    q = q * q_gain
+    out0, lse0 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+    for name in (("LAZY_RESCALE", "TREE_MAX") if switch == "both" else (switch,)):
+        monkeypatch.setattr(sp, name, True)
+    out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+    if switch == "TREE_MAX":
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    ok, max_err, why = check.compare(out, lse, *reference.sparse_mla(q.double(), kv.double(), idx, check.SCALE))
+    assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"
 
 
 @pytest.mark.parametrize("b, s_q, num_splits, fp8", [(2, 1, None, False), (8, 2, 1, False), (2, 2, None, True)])

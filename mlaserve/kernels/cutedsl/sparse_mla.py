@@ -38,12 +38,18 @@ MAX_CTAS = 2 ** 31 - 1  # head blocks x tokens on the grid's x axis
 # blocks of 64 heads (out, or the fp32 split partials) stored 16 bytes at a time after a transpose within each quad
 # (False: value by value; for A/B runs)
 STORE_16B = True
+# the bf16/fp16 seesaw kernel's softmax switches, the dense decode's of the same names (mla_decode.py; on there
+# since bench/NOTES.md 93): LAZY_RESCALE, a row's max moves only when it rises by more than 2^8 and O's rescale is
+# skipped in warps where none moved; TREE_MAX, each row's max folded pairwise. Off until measured here (A/B runs)
+LAZY_RESCALE = False
+TREE_MAX = False
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
 # seconds spent compiling each specialization, by compile key (dtype, split, fp8 cache), with "first-slice"
-# appended for the bf16/fp16 first-slice kernel (seesaw=False)
+# appended for the bf16/fp16 first-slice kernel (seesaw=False), "store16" for 16-byte stores and ("softmax", the
+# three switches) where any softmax switch is on
 compile_seconds: dict[tuple, float] = {}
 _compiled: dict[tuple, object] = {}
 
@@ -107,12 +113,17 @@ def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | 
     return plan
 
 
-def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = True, store16: bool = False):
+def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = True, store16: bool = False,
+            softmax: tuple[bool, bool] = (False, False)):
     """The compiled kernel for one specialization (compiled on first use, then cached). `seesaw` picks the
-    bf16/fp16 kernel (the FP8 cache has one kernel and ignores it); `store16` (unsplit): O in 16-byte stores."""
+    bf16/fp16 kernel (the FP8 cache has one kernel and ignores it); `store16` (unsplit): O in 16-byte stores;
+    `softmax`: the seesaw kernel's (LAZY_RESCALE, TREE_MAX)."""
     key = (dtype, split, fp8) if seesaw or fp8 else (dtype, split, fp8, "first-slice")
     if store16:
         key += ("store16",)
+    softmax = softmax if seesaw and not fp8 else (False, False)
+    if any(softmax):
+        key += ("softmax",) + softmax
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -125,7 +136,7 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
                 is_split=split, store16=store16)
         elif seesaw:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
-                cute_dtype(dtype), is_split=split, store16=store16)
+                cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])
         else:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel").SparseMLASm90(
                 cute_dtype(dtype), is_split=split, store16=store16)
@@ -188,7 +199,7 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
     fp8 = kv_cache.dtype == torch.uint8
-    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B)
+    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B, softmax=(LAZY_RESCALE, TREE_MAX))
     fn(*_pointers(q.dtype, addresses, fp8),
        cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
        cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),

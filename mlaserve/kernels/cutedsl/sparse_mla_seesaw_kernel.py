@@ -24,7 +24,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
@@ -33,7 +33,8 @@ from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     CONSUMER_REGS, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, consumer_rows, cta_coords, load_q, split_range,
     wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, exp_p, finish_rows, key_of, quad_row_max, row_of, scale_rows, sparse_key_bias, store_sparse)
+    CONSUMER_THREADS, exp_p, finish_rows, fold_row_max, key_of, quad_row_max, scale_rows, scale_rows_moved,
+    sparse_key_bias, store_sparse)
 
 
 class SparseMLASeesawSm90(SparseMLASm90):
@@ -41,6 +42,16 @@ class SparseMLASeesawSm90(SparseMLASm90):
     max buffer)."""
 
     ROW_MAX_COLS = 1      # sMax [64]: the running max m(t) its owner published with P(t)
+
+    def __init__(self, dtype, is_split: bool, store16: bool = False, lazy_rescale: bool = False,
+                 tree_max: bool = False):
+        """The softmax switches are the dense seesaw's (mla_decode_kernel.MLADecodeSm90): `lazy_rescale`, a row's
+        max moves only when it rises by more than split_consumers.LAZY_RESCALE_LOG2 and O's rescales are skipped
+        in warps where none moved; `tree_max`, each row's max folded pairwise. (Not its fold_scale: here the
+        scale and the mask's bias are one FFMA a value already.)"""
+        super().__init__(dtype, is_split, store16)
+        self.lazy_rescale = lazy_rescale
+        self.tree_max = tree_max
 
     def _tiled_mmas(self) -> tuple:
         """The dense seesaw kernel's three MMAs (mla_decode_kernel.seesaw_tiled_mmas)."""
@@ -80,6 +91,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
             wait_stage = functools.partial(wait_gathered, kv_pipe)
             release_stage = functools.partial(_release_by_lane0, kv_pipe)
             wait_q(q_pipe)
+            lazy = self.lazy_rescale
             for t in cutlass.range(cw, n_tiles, 2, unroll=1):
                 own = tile_state(t)
                 # this tile's key mask, read before any wait (the indices are in L1/L2: the gather read them)
@@ -87,7 +99,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 if t > 0:
                     # -- a, b: the other consumer's tile t - 1 into this half of O --
                     other_tile_pv(cw, tile_state(t - 1), wait_stage, release_stage, sMax, r0, row_m, row_l, acc_o,
-                                  tiled_mma_pv, tOrPs, tOrV)
+                                  tiled_mma_pv, tOrPs, tOrV, lazy)
                 # -- c: S = Q K_t^T --
                 wait_gathered(kv_pipe, own)
                 issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
@@ -98,8 +110,8 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 mx[1] = row_m[1]
                 for i in cutlass.range_constexpr(n_vals):
                     acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
-                    mx[row_of(i)] = cute.arch.fmax(mx[row_of(i)], acc_s[i])
-                alpha, m_base = quad_row_max(mx, row_m, row_l)
+                fold_row_max(acc_s, mx, self.tree_max)
+                alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
                 exp_p(acc_s, m_base, row_l, rP)
                 # -- e: publish P(t), m(t) --
                 cute.autovec_copy(rP, tPsP)
@@ -109,7 +121,10 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
                 # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-                scale_rows(acc_o, alpha)
+                if const_expr(lazy):
+                    scale_rows_moved(acc_o, alpha)
+                else:
+                    scale_rows(acc_o, alpha)
                 issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
                 warpgroup.wait_group(0)
                 release_stage(own)
@@ -117,7 +132,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
             # the last tile is the other consumer's: its P into this half of O
             if n_tiles > 0 and (n_tiles - 1) % 2 != cw:
                 other_tile_pv(cw, tile_state(n_tiles - 1), wait_stage, release_stage, sMax, r0, row_m, row_l,
-                              acc_o, tiled_mma_pv, tOrPs, tOrV)
+                              acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
 
             # -- epilogue: whole row sums (quad, then both consumers, both at the final max), normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
