@@ -28,6 +28,8 @@ switches, read at launch (so captured with each graph):
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
+  FP8_LAZY_RESCALE, FP8_TREE_MAX  cutedsl: the 64-row FP8 kernel's LAZY_RESCALE / TREE_MAX (below), each against
+                    off (FP8 shapes of more than 32 rows); FP8_SOFTMAX both against neither
   SPARSE_LAZY_RESCALE, SPARSE_TREE_MAX  cutedsl sparse MLA, 16-bit KV (sparse shapes): the seesaw kernel's
                     LAZY_RESCALE / TREE_MAX below, each against off
   SPARSE_SOFTMAX    both together against neither
@@ -177,13 +179,16 @@ def _seesaw_set(on: bool):
 
 
 SPARSE_SOFTMAX = ("LAZY_RESCALE", "TREE_MAX")
+FP8_SOFTMAX = ("FP8_LAZY_RESCALE", "FP8_TREE_MAX")
 
 
-def _sparse_softmax(on: bool):
-    """The sparse seesaw kernel's softmax switches (sparse_mla.LAZY_RESCALE, TREE_MAX) together."""
-    m = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla")
-    for name in SPARSE_SOFTMAX:
-        setattr(m, name, on)
+def _module_flags(module: str, names: tuple[str, ...]):
+    """A setter of several boolean flags of one module together."""
+    def switch(on: bool):
+        m = importlib.import_module(module)
+        for name in names:
+            setattr(m, name, on)
+    return switch
 
 
 # switch -> (backend, setter(on))
@@ -203,9 +208,12 @@ SWITCHES = {
     "FP8_MMA_EARLY_REFILL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_EARLY_REFILL")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
+    "FP8_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_LAZY_RESCALE")),
+    "FP8_TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_TREE_MAX")),
+    "FP8_SOFTMAX": ("cutedsl", _module_flags("mlaserve.kernels.cutedsl.mla_decode", FP8_SOFTMAX)),
     "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),
     "SPARSE_TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "TREE_MAX")),
-    "SPARSE_SOFTMAX": ("cutedsl", _sparse_softmax),
+    "SPARSE_SOFTMAX": ("cutedsl", _module_flags("mlaserve.kernels.cutedsl.sparse_mla", SPARSE_SOFTMAX)),
     "GLUON_BT_EARLY": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "BT_EARLY")),
     "GLUON_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "STORE_16B")),
     "GLUON_SEESAW": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "SEESAW")),

@@ -46,3 +46,13 @@ def test_sparse_softmax_switches_set_the_sparse_modules_flags(monkeypatch):
     assert (sp.LAZY_RESCALE, sp.TREE_MAX) == (True, False)
     switch(False)
     assert not any(getattr(sp, name) for name in decode_ab.SPARSE_SOFTMAX)
+
+
+def test_fp8_softmax_switch_sets_both_64_row_fp8_flags(monkeypatch):
+    for name in decode_ab.FP8_SOFTMAX:
+        monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
+    _, switch = decode_ab.SWITCHES["FP8_SOFTMAX"]
+    switch(True)
+    assert (cd.FP8_LAZY_RESCALE, cd.FP8_TREE_MAX) == (True, True)
+    switch(False)
+    assert (cd.FP8_LAZY_RESCALE, cd.FP8_TREE_MAX) == (False, False)

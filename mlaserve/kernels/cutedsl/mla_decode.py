@@ -224,6 +224,10 @@ S_EARLY_KBLOCKS = 0
 TREE_MAX = True
 P_STMATRIX = False
 EXP2_POLY = 0
+# the 64-row FP8 kernel's: LAZY_RESCALE and TREE_MAX above on its serial page chain (its rescale sits between the
+# softmax and P V, which the next page's conversion waits for). Off until measured there (A/B runs)
+FP8_LAZY_RESCALE = False
+FP8_TREE_MAX = False
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -354,6 +358,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                 "s_early": S_EARLY_KBLOCKS if cluster > 1 else 0, "tree_max": TREE_MAX,
                                 "p_stmatrix": P_STMATRIX, "exp2_poly": EXP2_POLY}
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
+    fp8_softmax = {"lazy_rescale": FP8_LAZY_RESCALE, "tree_max": FP8_TREE_MAX} if kv_fp8 and not narrow else {}
+    key += tuple(f"fp8-{name}" for name, value in fp8_softmax.items() if value)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -375,7 +381,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16),
+            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16,
+                                                    **fp8_softmax),
                               *_fp8_pointers((None,) * 8, ordered), *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
