@@ -33,6 +33,8 @@ switches, read at launch (so captured with each graph):
   SPARSE_LAZY_RESCALE, SPARSE_TREE_MAX  cutedsl sparse MLA, 16-bit KV (sparse shapes): the seesaw kernel's
                     LAZY_RESCALE / TREE_MAX below, each against off
   SPARSE_SOFTMAX    both together against neither
+  SPARSE_FP8_SOFTMAX  cutedsl sparse MLA, FP8 cache (sparse fp8 shapes): its FP8_LAZY_RESCALE and FP8_TREE_MAX
+                    together against neither
   GLUON_BT_EARLY    triton: the 64-row and narrow Gluon kernels' producers reading a page's block-table entry
                     before waiting for its stage against after
   GLUON_STORE_16B   triton: the 64-row Gluon kernel's O converted to 16 bytes a thread before the stores
@@ -214,6 +216,7 @@ SWITCHES = {
     "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),
     "SPARSE_TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "TREE_MAX")),
     "SPARSE_SOFTMAX": ("cutedsl", _module_flags("mlaserve.kernels.cutedsl.sparse_mla", SPARSE_SOFTMAX)),
+    "SPARSE_FP8_SOFTMAX": ("cutedsl", _module_flags("mlaserve.kernels.cutedsl.sparse_mla", FP8_SOFTMAX)),
     "GLUON_BT_EARLY": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "BT_EARLY")),
     "GLUON_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "STORE_16B")),
     "GLUON_SEESAW": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "SEESAW")),

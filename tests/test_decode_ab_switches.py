@@ -56,3 +56,12 @@ def test_fp8_softmax_switch_sets_both_64_row_fp8_flags(monkeypatch):
     assert (cd.FP8_LAZY_RESCALE, cd.FP8_TREE_MAX) == (True, True)
     switch(False)
     assert (cd.FP8_LAZY_RESCALE, cd.FP8_TREE_MAX) == (False, False)
+
+
+def test_sparse_fp8_softmax_switch_sets_the_sparse_fp8_flags(monkeypatch):
+    sp = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla")
+    for name in decode_ab.FP8_SOFTMAX + decode_ab.SPARSE_SOFTMAX:
+        monkeypatch.setattr(sp, name, False)
+    _, switch = decode_ab.SWITCHES["SPARSE_FP8_SOFTMAX"]
+    switch(True)
+    assert (sp.FP8_LAZY_RESCALE, sp.FP8_TREE_MAX, sp.LAZY_RESCALE, sp.TREE_MAX) == (True, True, False, False)

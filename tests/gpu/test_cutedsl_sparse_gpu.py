@@ -79,6 +79,27 @@ def test_seesaw_softmax_switches_match_reference(monkeypatch, switch, h, dtype, 
     assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("switch", ["FP8_LAZY_RESCALE", "FP8_TREE_MAX", "both"])
+@pytest.mark.parametrize("h, num_splits, q_gain", [(128, 1, 1.0), (80, 3, 4.0), (64, None, 4.0)])
+def test_fp8_softmax_switches_match_reference(monkeypatch, switch, h, num_splits, q_gain):
+    """The FP8-cache kernel's softmax switches (sparse_mla.FP8_LAZY_RESCALE, FP8_TREE_MAX, and both), each on against
+    both off, as test_seesaw_softmax_switches_match_reference does for the bf16/fp16 kernel (0xFF-poisoned slots,
+    make_fp8_case), against the reference on the cache's values."""
+    for name in ("FP8_LAZY_RESCALE", "FP8_TREE_MAX"):
+        monkeypatch.setattr(sp, name, False)
+    q, kv, idx = check.make_fp8_case(3, 2, h, 2048, 4096, seed=h + int(q_gain))
+    q = q * q_gain
+    out0, lse0 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+    for name in (("FP8_LAZY_RESCALE", "FP8_TREE_MAX") if switch == "both" else (switch,)):
+        monkeypatch.setattr(sp, name, True)
+    out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+    if switch == "FP8_TREE_MAX":
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    ref = reference.sparse_mla(q.double(), ops.dequantize_kv_fp8(kv).double(), idx, check.SCALE)
+    ok, max_err, why = check.compare(out, lse, *ref)
+    assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("b, s_q, num_splits, fp8", [(2, 1, None, False), (8, 2, 1, False), (2, 2, None, True)])
 def test_cuda_graph_replay_equals_eager(b, s_q, num_splits, fp8):
     if fp8:

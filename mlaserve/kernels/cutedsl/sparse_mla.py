@@ -43,6 +43,10 @@ STORE_16B = True
 # skipped in warps where none moved; TREE_MAX, each row's max folded pairwise. Off until measured here (A/B runs)
 LAZY_RESCALE = False
 TREE_MAX = False
+# the same two for the FP8-cache kernel, whose rescale sits on its serial page chain (mla_decode.FP8_LAZY_RESCALE's
+# comment); off until measured (A/B runs)
+FP8_LAZY_RESCALE = False
+FP8_TREE_MAX = False
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -117,11 +121,11 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
             softmax: tuple[bool, bool] = (False, False)):
     """The compiled kernel for one specialization (compiled on first use, then cached). `seesaw` picks the
     bf16/fp16 kernel (the FP8 cache has one kernel and ignores it); `store16` (unsplit): O in 16-byte stores;
-    `softmax`: the seesaw kernel's (LAZY_RESCALE, TREE_MAX)."""
+    `softmax`: (lazy rescale, tree max) for the seesaw or the FP8 kernel (the first-slice kernel has neither)."""
     key = (dtype, split, fp8) if seesaw or fp8 else (dtype, split, fp8, "first-slice")
     if store16:
         key += ("store16",)
-    softmax = softmax if seesaw and not fp8 else (False, False)
+    softmax = softmax if seesaw or fp8 else (False, False)
     if any(softmax):
         key += ("softmax",) + softmax
     fn = _compiled.get(key)
@@ -133,7 +137,7 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         if fp8:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_fp8_kernel").SparseMLAFP8Sm90(
-                is_split=split, store16=store16)
+                is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])
         elif seesaw:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
                 cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])
@@ -199,7 +203,8 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
     fp8 = kv_cache.dtype == torch.uint8
-    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B, softmax=(LAZY_RESCALE, TREE_MAX))
+    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B,
+                 softmax=(FP8_LAZY_RESCALE, FP8_TREE_MAX) if fp8 else (LAZY_RESCALE, TREE_MAX))
     fn(*_pointers(q.dtype, addresses, fp8),
        cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
        cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),
