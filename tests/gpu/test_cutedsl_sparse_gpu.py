@@ -57,46 +57,36 @@ def test_16_byte_stores_equal_value_stores(monkeypatch, h, dtype, num_splits):
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 
-@pytest.mark.parametrize("switch", ["LAZY_RESCALE", "TREE_MAX", "both"])
-@pytest.mark.parametrize("h, dtype, num_splits, q_gain", [(128, torch.bfloat16, 1, 1.0), (80, torch.float16, 3, 4.0),
-                                                         (64, torch.bfloat16, None, 4.0)])
-def test_seesaw_softmax_switches_match_reference(monkeypatch, switch, h, dtype, num_splits, q_gain):
-    """The seesaw kernel's softmax switches (sparse_mla.LAZY_RESCALE, TREE_MAX, and both), each on against both
-    off: within the reference's tolerances, with -1 indices and NaN-poisoned slots (make_case), logits
-    4x as wide in two cases so that row maxima jump by more than 2^8; TREE_MAX alone only reorders the maxima (the
-    same maxima), so it gives the bits of both off."""
-    for name in ("LAZY_RESCALE", "TREE_MAX"):
-        monkeypatch.setattr(sp, name, False)
-    q, kv, idx = check.make_case(3, 2, h, 2048, 4096, dtype, seed=h + int(q_gain))
-    q = q * q_gain
-    out0, lse0 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
-    for name in (("LAZY_RESCALE", "TREE_MAX") if switch == "both" else (switch,)):
-        monkeypatch.setattr(sp, name, True)
-    out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
-    if switch == "TREE_MAX":
-        assert torch.equal(out, out0) and torch.equal(lse, lse0)
-    ok, max_err, why = check.compare(out, lse, *reference.sparse_mla(q.double(), kv.double(), idx, check.SCALE))
-    assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"
+# sparse_mla's softmax switches (lazy rescale, tree max): the seesaw kernel's (16-bit caches) and the FP8 kernel's
+SOFTMAX_SWITCHES = {False: ("LAZY_RESCALE", "TREE_MAX"), True: ("FP8_LAZY_RESCALE", "FP8_TREE_MAX")}
 
 
-@pytest.mark.parametrize("switch", ["FP8_LAZY_RESCALE", "FP8_TREE_MAX", "both"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+@pytest.mark.parametrize("switch", ["lazy", "tree", "both"])
 @pytest.mark.parametrize("h, num_splits, q_gain", [(128, 1, 1.0), (80, 3, 4.0), (64, None, 4.0)])
-def test_fp8_softmax_switches_match_reference(monkeypatch, switch, h, num_splits, q_gain):
-    """The FP8-cache kernel's softmax switches (sparse_mla.FP8_LAZY_RESCALE, FP8_TREE_MAX, and both), each on against
-    both off, as test_seesaw_softmax_switches_match_reference does for the bf16/fp16 kernel (0xFF-poisoned slots,
-    make_fp8_case), against the reference on the cache's values."""
-    for name in ("FP8_LAZY_RESCALE", "FP8_TREE_MAX"):
+def test_softmax_switches_match_reference(monkeypatch, fp8, switch, h, num_splits, q_gain):
+    """The softmax switches of the seesaw kernel (sparse_mla.LAZY_RESCALE, TREE_MAX) and of the FP8-cache kernel
+    (FP8_LAZY_RESCALE, FP8_TREE_MAX), each and both on against both off: within the reference's tolerances, with -1
+    indices and poisoned slots (make_case's NaN, make_fp8_case's 0xFF), fp16 at h 80, logits 4x as wide in two cases
+    so that row maxima jump by more than 2^8, split and unsplit; the tree max alone only reorders the maxima (the
+    same maxima), so it gives the bits of both off."""
+    lazy, tree = SOFTMAX_SWITCHES[fp8]
+    for name in (lazy, tree):
         monkeypatch.setattr(sp, name, False)
-    q, kv, idx = check.make_fp8_case(3, 2, h, 2048, 4096, seed=h + int(q_gain))
+    if fp8:
+        q, kv, idx = check.make_fp8_case(3, 2, h, 2048, 4096, seed=h + int(q_gain))
+    else:
+        q, kv, idx = check.make_case(3, 2, h, 2048, 4096, torch.float16 if h == 80 else torch.bfloat16,
+                                     seed=h + int(q_gain))
     q = q * q_gain
     out0, lse0 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
-    for name in (("FP8_LAZY_RESCALE", "FP8_TREE_MAX") if switch == "both" else (switch,)):
+    for name in {"lazy": (lazy,), "tree": (tree,), "both": (lazy, tree)}[switch]:
         monkeypatch.setattr(sp, name, True)
     out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
-    if switch == "FP8_TREE_MAX":
+    if switch == "tree":
         assert torch.equal(out, out0) and torch.equal(lse, lse0)
-    ref = reference.sparse_mla(q.double(), ops.dequantize_kv_fp8(kv).double(), idx, check.SCALE)
-    ok, max_err, why = check.compare(out, lse, *ref)
+    kv_ref = ops.dequantize_kv_fp8(kv) if fp8 else kv
+    ok, max_err, why = check.compare(out, lse, *reference.sparse_mla(q.double(), kv_ref.double(), idx, check.SCALE))
     assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"
 
 
