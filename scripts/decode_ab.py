@@ -51,14 +51,9 @@ switches, read at launch (so captured with each graph):
   LAZY_RESCALE   cutedsl: 16-bit KV, a row's running max moved only when it rises by more than 2^8 and O's rescale
                  skipped in warps where no row moved, against every rise and every rescale
   FOLD_SCALE     cutedsl: 16-bit KV, S left unscaled and the softmax scale applied in exp2's FFMA against S scaled
-  S_EARLY        cutedsl: 16-bit KV in clusters, each consumer's first $DA_S_EARLY_KBLOCKS (default 12) of its S's 36
-                 k-blocks issued before it waits for the other's P, against all of S behind the other's tile's P V
   TREE_MAX       cutedsl: 16-bit KV, each row's max over S folded pairwise against one chain of dependent FMNMX
-  P_STMATRIX     cutedsl: 16-bit KV, P into smem by 4 stmatrix a thread against 16 4-byte stores
-  EXP2_POLY      cutedsl: 16-bit KV, $DA_EXP2_POLY (default 6) of a thread's 32 exponentials a tile by a cubic on the
-                 FMA pipe against all on the MUFU
-  SEESAW_SET     cutedsl: 16-bit KV, the seesaw switches of $DA_SEESAW together (default
-                 "FOLD_SCALE,TREE_MAX,P_STMATRIX,EXP2_POLY=6": NAME or NAME=VALUE, comma-separated) against none
+  SEESAW_SET     cutedsl: 16-bit KV, the seesaw switches named in $DA_SEESAW together (comma-separated; default
+                 all three, LAZY_RESCALE,FOLD_SCALE,TREE_MAX) against none
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -151,33 +146,19 @@ def _min_splits(on: bool):
     plan.choose_num_splits = (lambda *args: max(n, saved(*args))) if on else saved
 
 
-def _s_early(on: bool):
-    """DA_S_EARLY_KBLOCKS (default 12) of S's k-blocks issued before the wait for the other consumer's P, against 0."""
-    m = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
-    m.S_EARLY_KBLOCKS = int(os.environ.get("DA_S_EARLY_KBLOCKS", "12")) if on else 0
-
-
-def _exp2_poly(on: bool):
-    """DA_EXP2_POLY (default 6) of a thread's 32 exponentials a tile on the FMA pipe, against 0."""
-    m = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
-    m.EXP2_POLY = int(os.environ.get("DA_EXP2_POLY", "6")) if on else 0
-
-
-SEESAW_SWITCHES = {"LAZY_RESCALE": False, "FOLD_SCALE": False, "S_EARLY_KBLOCKS": 0, "TREE_MAX": False,
-                   "P_STMATRIX": False, "EXP2_POLY": 0}
+SEESAW_SWITCHES = ("LAZY_RESCALE", "FOLD_SCALE", "TREE_MAX")
 
 
 def _seesaw_set(on: bool):
-    """The seesaw switches named in DA_SEESAW (NAME or NAME=VALUE, comma-separated) all on, against all off."""
+    """The seesaw switches named in DA_SEESAW (comma-separated; default all of them) on, against all off."""
     m = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
-    for name, off in SEESAW_SWITCHES.items():
-        setattr(m, name, off)
+    for name in SEESAW_SWITCHES:
+        setattr(m, name, False)
     if on:
-        for item in os.environ.get("DA_SEESAW", "FOLD_SCALE,TREE_MAX,P_STMATRIX,EXP2_POLY=6").split(","):
-            name, _, value = item.strip().partition("=")
+        for name in (n.strip() for n in os.environ.get("DA_SEESAW", ",".join(SEESAW_SWITCHES)).split(",")):
             if name not in SEESAW_SWITCHES:
                 raise SystemExit(f"DA_SEESAW: {name!r} is not one of {', '.join(SEESAW_SWITCHES)}")
-            setattr(m, name, type(SEESAW_SWITCHES[name])(int(value)) if value else True)
+            setattr(m, name, True)
 
 
 SPARSE_SOFTMAX = ("LAZY_RESCALE", "TREE_MAX")
@@ -230,10 +211,7 @@ SWITCHES = {
     "BALANCED_SPLITS": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_plan", "BALANCE_SPLITS")),
     "LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "LAZY_RESCALE")),
     "FOLD_SCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FOLD_SCALE")),
-    "S_EARLY": ("cutedsl", _s_early),
     "TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "TREE_MAX")),
-    "P_STMATRIX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "P_STMATRIX")),
-    "EXP2_POLY": ("cutedsl", _exp2_poly),
     "SEESAW_SET": ("cutedsl", _seesaw_set),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }

@@ -30,7 +30,8 @@ K_BLOCKS = 36        # S's k-blocks (576 / 16)
 
 def program(w: int, n_tiles: int, early: int, softmax: int, rescale: int):
     """Consumer w's steps over the tiles it owns (t % 2 == w) and the other's last tile, as in _consume_item's
-    clustered form; `early` of S's K_BLOCKS k-blocks issued before the wait for the other's P (S_EARLY_KBLOCKS)."""
+    clustered form; `early` of S's K_BLOCKS k-blocks issued before the wait for the other's P (the kernel's
+    S_EARLY_KBLOCKS switch, measured slower and removed: bench/NOTES.md 93, 96)."""
     s_early = S_CLOCKS * early / K_BLOCKS
     for t in range(w, n_tiles, 2):
         if early:
@@ -120,7 +121,7 @@ def main():
     ap.add_argument("--softmax", default="500,650,800", help="comma list of softmax clocks")
     ap.add_argument("--rescale", default="150", help="comma list of O-rescale clocks")
     ap.add_argument("--load", default="800,1200,1600,2000", help="comma list: release to landed page, clocks")
-    ap.add_argument("--early", default="8,12,16,24,36", help="comma list of S_EARLY_KBLOCKS to compare with 0")
+    ap.add_argument("--early", default="8,12,16,24,36", help="comma list of early k-block counts to compare with 0")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]   # noqa: E731
     print(f"clocks a tile (tensor-core busy share); the wgmma floor is {S_CLOCKS + 2 * PV_CLOCKS}")

@@ -14,21 +14,23 @@ _spec.loader.exec_module(decode_ab)
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 
 
-def test_the_seesaw_switches_off_values_are_off_and_of_the_kernels_types():
-    for name, off in decode_ab.SEESAW_SWITCHES.items():
-        assert not off and type(getattr(cd, name)) is type(off), name
+def test_the_seesaw_switches_are_the_kernels_boolean_flags():
+    for name in decode_ab.SEESAW_SWITCHES:
+        assert type(getattr(cd, name)) is bool, name
 
 
 def test_seesaw_set_turns_the_named_switches_on_and_all_off(monkeypatch):
     for name in decode_ab.SEESAW_SWITCHES:
         monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
-    monkeypatch.setenv("DA_SEESAW", "FOLD_SCALE, EXP2_POLY=8,S_EARLY_KBLOCKS=12")
+    monkeypatch.setenv("DA_SEESAW", "FOLD_SCALE, TREE_MAX")
     _, switch = decode_ab.SWITCHES["SEESAW_SET"]
     switch(True)
-    assert (cd.FOLD_SCALE, cd.EXP2_POLY, cd.S_EARLY_KBLOCKS) == (True, 8, 12)
-    assert not cd.TREE_MAX and not cd.LAZY_RESCALE and not cd.P_STMATRIX
+    assert (cd.FOLD_SCALE, cd.TREE_MAX, cd.LAZY_RESCALE) == (True, True, False)
     switch(False)
-    assert all(getattr(cd, name) == off for name, off in decode_ab.SEESAW_SWITCHES.items())
+    assert not any(getattr(cd, name) for name in decode_ab.SEESAW_SWITCHES)
+    monkeypatch.delenv("DA_SEESAW")
+    switch(True)
+    assert all(getattr(cd, name) for name in decode_ab.SEESAW_SWITCHES)
     monkeypatch.setenv("DA_SEESAW", "FOLD_SCALE,NO_SUCH_SWITCH")
     with pytest.raises(SystemExit, match="NO_SUCH_SWITCH"):
         switch(True)

@@ -193,12 +193,10 @@ def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, m
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
-SEESAW_OFF = {"LAZY_RESCALE": False, "FOLD_SCALE": False, "S_EARLY_KBLOCKS": 0, "TREE_MAX": False,
-              "P_STMATRIX": False, "EXP2_POLY": 0}
+SEESAW_SWITCHES = ("LAZY_RESCALE", "FOLD_SCALE", "TREE_MAX")
 
 
-@pytest.mark.parametrize("switch", ["LAZY_RESCALE", "FOLD_SCALE", "S_EARLY_KBLOCKS=12", "S_EARLY_KBLOCKS=36",
-                                    "TREE_MAX", "P_STMATRIX", "EXP2_POLY=8", "EXP2_POLY=32", "all"])
+@pytest.mark.parametrize("switch", [*SEESAW_SWITCHES, "all"])
 @pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, q_gain", [
     (8, 2, 64, 1, None, 1.0),      # a grid (too few items to run persistent), clusters of 2
     (8, 1, 64, 1, None, 4.0),      # a grid of single CTAs; logits 4x as wide, so that row maxima jump by > 2^8
@@ -207,27 +205,23 @@ SEESAW_OFF = {"LAZY_RESCALE": False, "FOLD_SCALE": False, "S_EARLY_KBLOCKS": 0, 
     (4, 1, 128, 4, None, 4.0),     # split
 ])
 def test_seesaw_switches_match_reference(monkeypatch, switch, b, s_q, h, num_splits, min_tiles, q_gain):
-    """The seesaw consumers' switches (mla_decode.LAZY_RESCALE, FOLD_SCALE, S_EARLY_KBLOCKS, TREE_MAX, P_STMATRIX,
-    EXP2_POLY, and all of them), each on against all of them off, on ragged lengths with empty and one-token
-    requests: each within the reference's tolerances; S_EARLY_KBLOCKS alone only reorders the wgmmas (S's k-blocks
-    accumulate in the same order), TREE_MAX only the maxima's order (the same maxima) and P_STMATRIX only how P
-    reaches smem, so each of them gives the bits of all off. (The defaults, three of them on, are what every other
-    test here runs.)"""
+    """The seesaw consumers' switches (mla_decode.LAZY_RESCALE, FOLD_SCALE, TREE_MAX, and all three: the default),
+    each on against all of them off, on ragged lengths with empty and one-token requests: each within the
+    reference's tolerances; TREE_MAX alone only reorders the maxima (the same maxima), so it gives the bits of all
+    off."""
     if min_tiles is not None:
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
-    for name, off in SEESAW_OFF.items():
-        monkeypatch.setattr(cd, name, off)
+    for name in SEESAW_SWITCHES:
+        monkeypatch.setattr(cd, name, False)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + s_q + int(q_gain))
     q = q * q_gain
     ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    for name in (("LAZY_RESCALE", "FOLD_SCALE", "S_EARLY_KBLOCKS=12", "TREE_MAX", "P_STMATRIX", "EXP2_POLY=8")
-                 if switch == "all" else (switch,)):
-        name, _, value = name.partition("=")
-        monkeypatch.setattr(cd, name, int(value) if value else True)
+    for name in SEESAW_SWITCHES if switch == "all" else (switch,):
+        monkeypatch.setattr(cd, name, True)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    if switch.startswith("S_EARLY") or switch in ("TREE_MAX", "P_STMATRIX"):
+    if switch == "TREE_MAX":
         assert torch.equal(out, out0) and torch.equal(lse, lse0)
     ok, max_err, why = check.compare(out, lse, *ref)
     assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"

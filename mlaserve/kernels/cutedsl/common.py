@@ -5,10 +5,6 @@ import importlib
 
 import torch
 
-# 2^f ~ ((C3 f + C2) f + C1) f + C0 on [-1/2, 1/2] (split_consumers.exp2_poly): float32 values of a minimax fit of
-# the relative error, 7.5e-5 (2^-13.7; bf16 and fp16 round P at 2^-9 and 2^-11)
-EXP2_POLY_COEFFS = (0.9999281167984009, 0.6932609677314758, 0.24261081218719482, 0.055171433836221695)
-
 # The address given to pointers when compiling: only a pointer's type and assumed alignment reach the code.
 COMPILE_ADDRESS = 1 << 20
 

@@ -209,21 +209,16 @@ FP8_MMA_EARLY_REFILL = True
 # 0.1-1.8% faster at every 128-row shape, the same bits (bench/NOTES.md 61); the early form stays for the FP8 kernel
 # and for A/B runs
 EARLY_SUMS = False
-# 16-bit KV, switches of the seesaw consumers: LAZY_RESCALE, a row's running max moves only
+# 16-bit KV, switches of the seesaw consumers (False: for A/B runs): LAZY_RESCALE, a row's running max moves only
 # when it rises by more than split_consumers.LAZY_RESCALE_LOG2 and O's rescale is skipped in warps where no row
-# moved; FOLD_SCALE, S left unscaled, the softmax scale applied in exp2's FFMA; S_EARLY_KBLOCKS (clusters), each
-# consumer issues that many of its tile's 36 k-blocks of S before it waits for the other's P of the tile before;
-# TREE_MAX, each row's max over S folded pairwise instead of as one chain of dependent FMNMX; P_STMATRIX, P into
-# smem by 4 stmatrix instead of 16 4-byte stores; EXP2_POLY, that many of a thread's 32 exponentials a tile by a
-# cubic on the FMA pipe instead of the MUFU. On the H200 (bench/NOTES.md 93) LAZY_RESCALE was 0.8-2.3% faster at
-# the 128-row shapes of 128 requests, TREE_MAX 0.2-1.1%, FOLD_SCALE 0-0.3%, the three together 1.9-2.7% at 4k-8k:
-# on by default. S_EARLY_KBLOCKS=8 was 10-14% slower, P_STMATRIX 0-0.8% and EXP2_POLY=6 0.4-2.1%: off (A/B runs)
+# moved; FOLD_SCALE, S left unscaled, the softmax scale applied in exp2's FFMA; TREE_MAX, each row's max over S
+# folded pairwise instead of as one chain of dependent FMNMX. On the H200 (bench/NOTES.md 93) LAZY_RESCALE was
+# 0.8-2.3% faster at the 128-row shapes of 128 requests, TREE_MAX 0.2-1.1%, FOLD_SCALE 0-0.3%, the three together
+# 1.9-2.7% at 4k-8k. (Measured slower and removed (NOTES 93, 96): S's first k-blocks before the other consumer's P,
+# 10-14%; P into smem by stmatrix, 0-0.8%; 6 of 32 exponentials by a cubic on the FMA pipe, 0.4-2.1%.)
 LAZY_RESCALE = True
 FOLD_SCALE = True
-S_EARLY_KBLOCKS = 0
 TREE_MAX = True
-P_STMATRIX = False
-EXP2_POLY = 0
 # the 64-row FP8 kernel's: LAZY_RESCALE and TREE_MAX above on its serial page chain (its rescale sits between the
 # softmax and P V, which the next page's conversion waits for). Off until measured there (A/B runs)
 FP8_LAZY_RESCALE = False
@@ -354,9 +349,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("scalar-io",)
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
-    seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE,
-                                "s_early": S_EARLY_KBLOCKS if cluster > 1 else 0, "tree_max": TREE_MAX,
-                                "p_stmatrix": P_STMATRIX, "exp2_poly": EXP2_POLY}
+    seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX}
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fp8_softmax = {"lazy_rescale": FP8_LAZY_RESCALE, "tree_max": FP8_TREE_MAX} if kv_fp8 and not narrow else {}
     key += tuple(f"fp8-{name}" for name, value in fp8_softmax.items() if value)

@@ -82,7 +82,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
@@ -137,7 +137,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 s_early: int = 0, tree_max: bool = False, p_stmatrix: bool = False, exp2_poly: int = 0):
+                 tree_max: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -170,20 +170,8 @@ class MLADecodeSm90:
         self.lazy_rescale = lazy_rescale
         # S left unscaled: the softmax scale applied in the max's two values and in exp2's FFMA (exp_p)
         self.fold_scale = fold_scale
-        # clusters: each consumer issues the first `s_early` k-blocks (of D_QK / 16) of its own tile's S as soon as
-        # the page has landed, before it waits for the other consumer's P of the tile before, so that the tensor
-        # cores run them during the other's softmax; the rest of S follows that P's P V as before
-        self.s_early = s_early
         # each row's maximum over S folded pairwise (fold_row_max), not as one chain of dependent FMNMX
         self.tree_max = tree_max
-        # P(t) into smem by stmatrix (4 x4 stores, one address each) instead of 16 4-byte stores with an address each
-        self.p_stmatrix = p_stmatrix
-        # that many of a thread's 32 exponentials a tile on the FMA pipe (split_consumers.exp2_poly), not the MUFU
-        self.exp2_poly = exp2_poly
-        if s_early and cluster == 1:
-            raise ValueError("s_early is a schedule of clustered launches")
-        if not 0 <= s_early <= D_QK // 16:
-            raise ValueError(f"s_early counts S's k-blocks, 0 .. {D_QK // 16}, got {s_early}")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -401,7 +389,7 @@ class MLADecodeSm90:
             if const_expr(not self.persistent):
                 self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sKV,
                                    sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen, start, n_tiles, 0, batch,
-                                   split, m_block, s_q, h, rows, scale_log2, sP=sP)
+                                   split, m_block, s_q, h, rows, scale_log2)
             elif const_expr(self.streamk):
                 rank = 0
                 if const_expr(self.cluster > 1):
@@ -418,7 +406,7 @@ class MLADecodeSm90:
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, lo * TILE_N, hi - lo,
                                        g, batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot,
-                                       (item, lo, hi, n_i, by, num_splits, rank, storage), mTrace, sP)
+                                       (item, lo, hi, n_i, by, num_splits, rank, storage), mTrace)
                     self._trace_item(mTrace, slot, cw, ctid, False)
                     q_state.advance()
                     piece = piece + 1
@@ -445,7 +433,7 @@ class MLADecodeSm90:
                     self._trace_item(mPO, slot, cw, ctid, True)
                     self._consume_item(kv_pipe, q_pipe, q_state, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs,
                                        sKV, sMax, sSum, mOut, mLse, mPO, mPL, cw, ctid, seqlen_i, 0, n_tiles_i, g,
-                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot, sP=sP)
+                                       batch_i, 0, m_block_i, s_q, h, rows, scale_log2, slot)
                     self._trace_item(mPO, slot, cw, ctid, False)
                     q_state.advance()
                     g = g + n_tiles_i
@@ -488,19 +476,13 @@ class MLADecodeSm90:
                       mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, cw: Int32, ctid: Int32,
                       seqlen: Int32, start: Int32, n_tiles: Int32, g, batch: Int32, split: Int32, m_block: Int32,
                       s_q: Int32, h: Int32, rows: Int32, scale_log2: Float32, trace_slot: Int32 = 0, piece=None,
-                      mTrace=None, sP: cute.Tensor = None):
+                      mTrace=None):
         """One consumer's part of one (request, row tile, split): its tiles of the seesaw, then its half of the
         output. `g` counts the tiles this CTA ran before (persistent launches; 0 otherwise): ring stage and owner
         of the item's tile t are those of tile g + t. `piece` (stream-K launches): (item, first tile, end tile,
         the item's tiles, slot, slots, cluster rank, smem storage) for merge_piece. `mTrace`: where traced
         launches record (mPO by default; stream-K launches' is in the schedule's buffer)."""
         (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
-        if const_expr(self.p_stmatrix):
-            stsm = cute.make_tiled_copy_C(
-                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), tiled_mma_qk)
-            thr_stsm = stsm.get_slice(ctid)
-            tPsP_stsm = thr_stsm.partition_D(sP)
-            tPrP_stsm = thr_stsm.retile(rP)
         mT = mPO if mTrace is None else mTrace
         # A wgmma m64 accumulator gives each thread two rows, r0 and r0 + 8 (value index i: bit 1 picks
         # the row), shared with the three other lanes of its quad.
@@ -525,10 +507,6 @@ class MLADecodeSm90:
         for t in cutlass.range(first, n_tiles, 2, unroll=1):
             tok0 = start + t * TILE_N
             own = tile_state(g + t)
-            if const_expr(self.s_early > 0):
-                # -- c's first k-blocks: S = Q K_t^T begun as soon as the page is in --
-                kv_pipe.consumer_wait(own)
-                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True, 0, self.s_early)
             if t > 0:
                 # -- a, b: the other consumer's tile t - 1 into this half of O --
                 if const_expr(self.cluster > 1):
@@ -538,18 +516,12 @@ class MLADecodeSm90:
                 else:
                     other_tile_pv(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
                                   r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
-            # -- c: S = Q K_t^T (its k-blocks from s_early on) --
-            if const_expr(self.s_early == 0):
-                kv_pipe.consumer_wait(own)
-            if const_expr(self.s_early < D_QK // 16):
-                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], self.s_early == 0,
-                          self.s_early)
+            # -- c: S = Q K_t^T --
+            kv_pipe.consumer_wait(own)
+            issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
             if const_expr(self.cluster > 1):
-                # b's wgmma ran ahead of (the rest of) S in the same queue: wait for it and free its stage
-                if const_expr(self.s_early < D_QK // 16):
-                    warpgroup.wait_group(1)
-                else:
-                    warpgroup.wait_group(0)
+                # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
+                warpgroup.wait_group(1)
                 if t > 0:
                     kv_pipe.consumer_release(tile_state(g + t - 1))
             warpgroup.wait_group(0)
@@ -574,12 +546,9 @@ class MLADecodeSm90:
                 for hr in cutlass.range_constexpr(2):
                     mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)
             alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
-            exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None, self.exp2_poly)
+            exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
             # -- e: publish P(t), m(t) --
-            if const_expr(self.p_stmatrix):
-                cute.copy(stsm, tPrP_stsm, tPsP_stsm)
-            else:
-                cute.autovec_copy(rP, tPsP)
+            cute.autovec_copy(rP, tPsP)
             if ctid % 4 == 0:
                 sMax[r0] = row_m[0]
                 sMax[r0 + 8] = row_m[1]

@@ -133,13 +133,13 @@ def other_tile_pv_issue(cw: Int32, st: pipeline.PipelineState, wait_stage, sMax:
 
 @cute.jit
 def issue_mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-           zero_init: cutlass.Constexpr[bool], k_begin: cutlass.Constexpr[int] = 0, k_end: cutlass.Constexpr = None):
-    """acc (+)= A B over k-blocks k_begin .. k_end (default all) as one committed wgmma group, not waited for (the
-    caller waits with warpgroup.wait_group before it reads acc or reuses the operands' smem)."""
+              zero_init: cutlass.Constexpr[bool]):
+    """acc (+)= A B over all k-blocks as one committed wgmma group, not waited for (the caller waits
+    with warpgroup.wait_group before it reads acc or reuses the operands' smem)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(k_begin, cute.size(tCrA.shape[2]) if const_expr(k_end is None) else k_end):
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

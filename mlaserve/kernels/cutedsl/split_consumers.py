@@ -16,7 +16,6 @@ kernels' copies here left their SASS instruction for instruction the same (sm_90
 """
 
 import math
-import struct
 
 import cutlass
 import cutlass.cute as cute
@@ -25,8 +24,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
-
-from mlaserve.kernels.cutedsl.common import EXP2_POLY_COEFFS
 
 BAR_MAX = 1           # named barriers (0 is __syncthreads)
 BAR_P = 2
@@ -161,20 +158,15 @@ def move_row_max(row_m: cute.Tensor, row_l: cute.Tensor, alpha: cute.Tensor, m_b
 
 
 @cute.jit
-def exp_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor, scale=None,
-          poly: cutlass.Constexpr[int] = 0):
+def exp_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor, scale=None):
     """P = exp2(S - m_base) in place in acc_s (S in log2 units) and in rP's dtype in rP, its rows' sums
-    added into row_l. With `scale`, acc_s holds the unscaled S and P = exp2(S scale - m_base), one FFMA a value.
-    `poly`: that many of the thread's values through exp2_poly on the FMA pipe, the rest through MUFU.EX2."""
+    added into row_l. With `scale`, acc_s holds the unscaled S and P = exp2(S scale - m_base), one FFMA a value."""
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         if const_expr(scale is None):
             x = acc_s[i] - m_base[row_of(i)]
         else:
             x = acc_s[i] * scale - m_base[row_of(i)]     # contracted to one FFMA
-        if const_expr(i < poly):
-            p = exp2_poly(x)
-        else:
-            p = cute.arch.exp2(x)
+        p = cute.arch.exp2(x)
         acc_s[i] = p
         row_l[row_of(i)] = row_l[row_of(i)] + p
     rP.store(acc_s.load().to(rP.element_type))
@@ -188,27 +180,6 @@ def publish_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: c
     cute.autovec_copy(rP, tPsP)
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
-
-
-def _ptx_f32(x: float) -> str:
-    """x as a PTX fp32 literal (its bit pattern)."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-@dsl_user_op
-def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x without the MUFU (FlashAttention 4's offload of the softmax's exponentials to the FMA pipe): x = j + f
-    with j = rint(x) (1.5 * 2^23 added and taken away), 2^f by common.EXP2_POLY_COEFFS' cubic, j added into the
-    exponent's bits; 0 below x = -125 (and for -inf). Nine instructions, relative error < 1e-4; x <= 2^22."""
-    c0, c1, c2, c3 = (_ptx_f32(c) for c in EXP2_POLY_COEFFS)
-    return Float32(llvm.inline_asm(
-        Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .f32 t, r, f, p;\n.reg .b32 tb, pb;\n.reg .pred lo;\n"
-        "add.rn.f32 t, $1, 0f4B400000;\nsub.rn.f32 r, t, 0f4B400000;\nsub.rn.f32 f, $1, r;\n"
-        f"fma.rn.f32 p, f, {c3}, {c2};\nfma.rn.f32 p, p, f, {c1};\nfma.rn.f32 p, p, f, {c0};\n"
-        "mov.b32 tb, t;\nmov.b32 pb, p;\nshl.b32 tb, tb, 23;\nadd.s32 pb, pb, tb;\n"
-        "setp.lt.f32 lo, $1, 0fC2FA0000;\nselp.b32 $0, 0, pb, lo;\n}\n", "=f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit
