@@ -90,8 +90,17 @@ DEFAULT_SHAPES = ("b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk16384,b128 h128
 
 
 def _module_flag(module: str, name: str):
-    m = importlib.import_module(module)
-    return lambda on: setattr(m, name, on)
+    """A setter of one boolean flag of a module."""
+    return _module_flags(module, (name,))
+
+
+def _module_flags(module: str, names: tuple[str, ...]):
+    """A setter of several boolean flags of one module together."""
+    def switch(on: bool):
+        m = importlib.import_module(module)
+        for name in names:
+            setattr(m, name, on)
+    return switch
 
 
 def _grid_order(on: bool):
@@ -163,15 +172,6 @@ def _seesaw_set(on: bool):
 
 SPARSE_SOFTMAX = ("LAZY_RESCALE", "TREE_MAX")
 FP8_SOFTMAX = ("FP8_LAZY_RESCALE", "FP8_TREE_MAX")
-
-
-def _module_flags(module: str, names: tuple[str, ...]):
-    """A setter of several boolean flags of one module together."""
-    def switch(on: bool):
-        m = importlib.import_module(module)
-        for name in names:
-            setattr(m, name, on)
-    return switch
 
 
 # switch -> (backend, setter(on))
