@@ -54,6 +54,9 @@ switches, read at launch (so captured with each graph):
   TREE_MAX       cutedsl: 16-bit KV, each row's max over S folded pairwise against one chain of dependent FMNMX
   SEESAW_SET     cutedsl: 16-bit KV, the seesaw switches named in $DA_SEESAW together (comma-separated; default
                  all three, LAZY_RESCALE,FOLD_SCALE,TREE_MAX) against none
+  SPEC_EXP       cutedsl: 16-bit KV, the seesaw owner's P exponentiated against the running max while the tile's max
+                 is found (kept where the lazy max does not move) against after it (on top of the defaults)
+  SPARSE_SPEC_EXP  cutedsl sparse MLA, 16-bit KV (sparse shapes): the same in the sparse seesaw kernel
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -213,6 +216,8 @@ SWITCHES = {
     "FOLD_SCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FOLD_SCALE")),
     "TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "TREE_MAX")),
     "SEESAW_SET": ("cutedsl", _seesaw_set),
+    "SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "SPEC_EXP")),
+    "SPARSE_SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "SPEC_EXP")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

@@ -227,6 +227,36 @@ def test_seesaw_switches_match_reference(monkeypatch, switch, b, s_q, h, num_spl
     assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, q_gain", [
+    (8, 2, 64, 1, None, 1.0),      # a grid, clusters of 2
+    (8, 1, 64, 1, None, 4.0),      # single CTAs; logits 4x as wide: maxima jump by > 2^8, the warps' slow path
+    (200, 1, 128, 1, None, 4.0),   # persistent, tickets
+    (150, 2, 128, 1, 0, 1.0),      # persistent, stream-K (every case cut)
+    (4, 1, 128, 4, None, 4.0),     # split
+])
+def test_speculative_p_matches_reference(monkeypatch, b, s_q, h, num_splits, min_tiles, q_gain):
+    """mla_decode.SPEC_EXP (P against the running max before the tile's max is known, redone in warps whose lazy
+    max moves) on top of the default switches: within the reference's tolerances on ragged lengths with empty and
+    one-token requests (NaN-poisoned unused slots), and close to the default kernel (the same P; only the row sums'
+    order of addition differs)."""
+    if min_tiles is not None:
+        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
+    for name in SEESAW_SWITCHES:
+        monkeypatch.setattr(cd, name, True)
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=3 * b + s_q + int(q_gain))
+    q = q * q_gain
+    monkeypatch.setattr(cd, "SPEC_EXP", False)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, "SPEC_EXP", True)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("switch", ["FP8_LAZY_RESCALE", "FP8_TREE_MAX", "both"])
 @pytest.mark.parametrize("b, s_q, h, num_splits, q_gain", [(8, 1, 128, 1, 4.0), (5, 2, 40, 1, 1.0),
                                                            (4, 1, 64, 3, 4.0)])

@@ -90,6 +90,27 @@ def test_softmax_switches_match_reference(monkeypatch, fp8, switch, h, num_split
     assert ok, f"{switch}: max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("h, num_splits, q_gain", [(128, 1, 1.0), (80, 3, 4.0), (64, None, 4.0)])
+def test_speculative_p_matches_reference(monkeypatch, h, num_splits, q_gain):
+    """sparse_mla.SPEC_EXP (the seesaw's P against the running max before the tile's max is known, redone in warps
+    whose lazy max moves) on top of the default switches: within the reference's tolerances, with -1 indices and
+    NaN-poisoned slots, fp16 at h 80, logits 4x as wide in two cases (maxima jump by more than 2^8: the slow path),
+    split and unsplit; close to the default kernel (the same P, the row sums added in another order)."""
+    for name in SOFTMAX_SWITCHES[False]:
+        monkeypatch.setattr(sp, name, True)
+    q, kv, idx = check.make_case(3, 2, h, 2048, 4096, torch.float16 if h == 80 else torch.bfloat16,
+                                 seed=7 * h + int(q_gain))
+    q = q * q_gain
+    monkeypatch.setattr(sp, "SPEC_EXP", False)
+    out0, lse0 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(sp, "SPEC_EXP", True)
+    out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *reference.sparse_mla(q.double(), kv.double(), idx, check.SCALE))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("b, s_q, num_splits, fp8", [(2, 1, None, False), (8, 2, 1, False), (2, 2, None, True)])
 def test_cuda_graph_replay_equals_eager(b, s_q, num_splits, fp8):
     if fp8:

@@ -219,6 +219,10 @@ EARLY_SUMS = False
 LAZY_RESCALE = True
 FOLD_SCALE = True
 TREE_MAX = True
+# 16-bit KV, on top of LAZY_RESCALE and FOLD_SCALE: each thread's P exponentiated against the running max while the
+# tile's max is still being found, kept in warps where the lazy max does not move (seesaw_consumers.speculative_p),
+# so that the MUFU stream of the owner's softmax starts right after S. Off until measured (A/B runs)
+SPEC_EXP = False
 # the 64-row FP8 kernel's: LAZY_RESCALE and TREE_MAX above on its serial page chain (its rescale sits between the
 # softmax and P V, which the next page's conversion waits for). Off, as measured on the H200 (NOTES 97): the lazy
 # rescale 2.1% faster at b128 h64 8k but 1.2-1.7% slower at h128 (s_q 1 and 2), the tree max within 1% either way
@@ -350,7 +354,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("scalar-io",)
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
-    seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX}
+    seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
+                                "spec_exp": SPEC_EXP}
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fp8_softmax = {"lazy_rescale": FP8_LAZY_RESCALE, "tree_max": FP8_TREE_MAX} if kv_fp8 and not narrow else {}
     key += tuple(f"fp8-{name}" for name, value in fp8_softmax.items() if value)

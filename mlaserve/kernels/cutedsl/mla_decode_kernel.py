@@ -88,7 +88,8 @@ from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
-    other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, take_row_sums)
+    other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, speculative_p,
+    take_row_sums)
 from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, fold_row_max, quad_row_max, scale_rows,
                                                       scale_rows_moved, store_dense_block, store_dense_lse)
 from mlaserve.kernels.cutedsl.stream_k_pieces import first_piece, merge_piece, piece_of
@@ -137,7 +138,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 tree_max: bool = False):
+                 tree_max: bool = False, spec_exp: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -172,6 +173,11 @@ class MLADecodeSm90:
         self.fold_scale = fold_scale
         # each row's maximum over S folded pairwise (fold_row_max), not as one chain of dependent FMNMX
         self.tree_max = tree_max
+        # P exponentiated against the running max before the tile's max is known, kept where the lazy max does not
+        # move (seesaw_consumers.speculative_p); built on the lazy rescale and the folded scale
+        self.spec_exp = spec_exp
+        if spec_exp and not (lazy_rescale and fold_scale):
+            raise ValueError("spec_exp takes lazy_rescale and fold_scale")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -533,22 +539,26 @@ class MLADecodeSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     if tok0 + tScS[i][1] >= vis[(i // 2) % 2]:
                         acc_s[i] = -Float32.inf
-            mx = cute.make_rmem_tensor(2, Float32)
-            if const_expr(self.fold_scale):
-                # the scale is positive: the max of the unscaled S, scaled, is the max of the scaled
-                mx[0] = -Float32.inf
-                mx[1] = -Float32.inf
+            if const_expr(self.spec_exp):
+                alpha = speculative_p(acc_s, row_m, row_l, rP, tPsP, scale_log2, self.tree_max)
             else:
-                mx[0] = row_m[0]
-                mx[1] = row_m[1]
-            fold_row_max(acc_s, mx, self.tree_max)
-            if const_expr(self.fold_scale):
-                for hr in cutlass.range_constexpr(2):
-                    mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)
-            alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
-            exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
+                mx = cute.make_rmem_tensor(2, Float32)
+                if const_expr(self.fold_scale):
+                    # the scale is positive: the max of the unscaled S, scaled, is the max of the scaled
+                    mx[0] = -Float32.inf
+                    mx[1] = -Float32.inf
+                else:
+                    mx[0] = row_m[0]
+                    mx[1] = row_m[1]
+                fold_row_max(acc_s, mx, self.tree_max)
+                if const_expr(self.fold_scale):
+                    for hr in cutlass.range_constexpr(2):
+                        mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)
+                alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
+                exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
             # -- e: publish P(t), m(t) --
-            cute.autovec_copy(rP, tPsP)
+            if const_expr(not self.spec_exp):
+                cute.autovec_copy(rP, tPsP)      # (speculative_p stores its own)
             if ctid % 4 == 0:
                 sMax[r0] = row_m[0]
                 sMax[r0 + 8] = row_m[1]

@@ -17,7 +17,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from mlaserve.kernels.cutedsl.split_consumers import move_row_max, scale_rows, scale_rows_moved
+from mlaserve.kernels.cutedsl.split_consumers import (LAZY_RESCALE_LOG2, exp_p, fold_row_max, move_row_max,
+                                                      quad_row_max, row_of, scale_rows, scale_rows_moved)
 
 TILE_M = 64           # query rows (heads) per CTA: one wgmma M
 TILE_N = 64           # keys per ring stage
@@ -174,3 +175,64 @@ def take_row_sums(row_m: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, p
         if total > 0.0:
             inv_l[hr] = 1.0 / total
             lse[hr] = (row_m[hr] + cute.math.log2(total, fastmath=False)) * math.log(2.0)
+
+
+@cute.jit
+def speculative_p(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor, tPsP: cute.Tensor,
+                  scale, tree: cutlass.Constexpr[bool]):
+    """Step d with the lazy rescale, P exponentiated before the tile's max is known, and P's store of step e:
+    acc_s holds the unscaled S (masked keys -inf); P = exp2(S scale - row_m) against the running max goes into rP
+    (in its dtype, pairs packed as they are computed) and on into smem (tPsP), its row sums aside, while this
+    thread's maxima of its two rows are folded from the same S. Where no thread of the warp saw a value more
+    than LAZY_RESCALE_LOG2 above its row's running max (so the quad's max would not move the lazy max,
+    quad_row_max(lazy=True)), that P stands: no shuffles, no move, alpha 1. Otherwise (a rise, or a row that has
+    seen no key: -inf - -inf is NaN) the warp takes the default path from the same S, the quad's max and P
+    against it, and stores that P over the first. -> alpha [2], O_w's rescale for step f. `scale`: the softmax scale
+    (log2 units) where acc_s holds S unscaled (the dense decode's FOLD_SCALE), None where it is scaled already (the
+    sparse kernel's: scale and mask bias in one FFMA).
+
+    Against the default order (max over the quad, then exponentials against it): the 32 MUFU.EX2 of a thread no
+    longer wait for the max's fold, two shuffle rounds and the move, which the owner's softmax otherwise runs
+    first while the tensor cores idle (bench/NOTES.md 92). P may differ from the default's in its last bit of the
+    row sums (they are added in another order); it is the same P."""
+    alpha = cute.make_rmem_tensor(2, Float32)
+    sums = cute.make_rmem_tensor(2, Float32)
+    pair = cute.make_rmem_tensor(2, Float32)
+    for hr in cutlass.range_constexpr(2):
+        alpha[hr] = 1.0
+        sums[hr] = 0.0
+    for j in cutlass.range_constexpr(cute.size(acc_s) // 2):
+        for e in cutlass.range_constexpr(2):
+            i = 2 * j + e
+            if const_expr(scale is None):
+                p = cute.arch.exp2(acc_s[i] - row_m[row_of(i)])
+            else:
+                p = cute.arch.exp2(acc_s[i] * scale - row_m[row_of(i)])     # one FFMA, then MUFU.EX2
+            pair[e] = p
+            sums[row_of(i)] = sums[row_of(i)] + p
+        cute.make_tensor(rP.iterator + 2 * j, cute.make_layout(2)).store(pair.load().to(rP.element_type))
+    # stored now, so that the stores and their swizzled addresses issue among the exponentials (after the vote
+    # they would follow them)
+    cute.autovec_copy(rP, tPsP)
+    mx = cute.make_rmem_tensor(2, Float32)
+    mx[0] = -Float32.inf
+    mx[1] = -Float32.inf
+    fold_row_max(acc_s, mx, tree)
+    if const_expr(scale is not None):
+        for hr in cutlass.range_constexpr(2):
+            mx[hr] = mx[hr] * scale
+    rise0 = mx[0] - row_m[0]
+    rise1 = mx[1] - row_m[1]
+    moved = (rise0 > LAZY_RESCALE_LOG2) | (rise0 != rise0) | (rise1 > LAZY_RESCALE_LOG2) | (rise1 != rise1)
+    if cute.arch.vote_any_sync(moved):
+        for hr in cutlass.range_constexpr(2):
+            mx[hr] = cute.arch.fmax(row_m[hr], mx[hr])
+        moved_alpha, m_base = quad_row_max(mx, row_m, row_l, True)
+        alpha[0] = moved_alpha[0]
+        alpha[1] = moved_alpha[1]
+        exp_p(acc_s, m_base, row_l, rP, scale)
+        cute.autovec_copy(rP, tPsP)
+    else:
+        for hr in cutlass.range_constexpr(2):
+            row_l[hr] = row_l[hr] + sums[hr]
+    return alpha

@@ -48,6 +48,9 @@ TREE_MAX = True
 # comment); measured level (0.997-0.998x both on, NOTES 97), so off (A/B runs)
 FP8_LAZY_RESCALE = False
 FP8_TREE_MAX = False
+# the seesaw's P exponentiated against the running max while the tile's max is found, kept in warps where the lazy
+# max does not move (seesaw_consumers.speculative_p; mla_decode.SPEC_EXP). Off until measured (A/B runs)
+SPEC_EXP = False
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -119,14 +122,17 @@ def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | 
 
 
 def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = True, store16: bool = False,
-            softmax: tuple[bool, bool] = (False, False)):
+            softmax: tuple[bool, ...] = (False, False)):
     """The compiled kernel for one specialization (compiled on first use, then cached). `seesaw` picks the
     bf16/fp16 kernel (the FP8 cache has one kernel and ignores it); `store16` (unsplit): O in 16-byte stores;
-    `softmax`: (lazy rescale, tree max) for the seesaw or the FP8 kernel (the first-slice kernel has neither)."""
+    `softmax`: (lazy rescale, tree max) for the seesaw or the FP8 kernel (the first-slice kernel has neither), and
+    for the seesaw a third, speculative P (SPEC_EXP)."""
     key = (dtype, split, fp8) if seesaw or fp8 else (dtype, split, fp8, "first-slice")
     if store16:
         key += ("store16",)
     softmax = softmax if seesaw or fp8 else (False, False)
+    if fp8 and len(softmax) > 2:
+        raise ValueError(f"the FP8 sparse kernel takes (lazy rescale, tree max), got softmax={softmax}")
     if any(softmax):
         key += ("softmax",) + softmax
     fn = _compiled.get(key)
@@ -141,7 +147,8 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
                 is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])
         elif seesaw:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
-                cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])
+                cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1],
+                spec_exp=len(softmax) > 2 and softmax[2])
         else:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel").SparseMLASm90(
                 cute_dtype(dtype), is_split=split, store16=store16)
@@ -205,7 +212,7 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
     fp8 = kv_cache.dtype == torch.uint8
     fn = _kernel(q.dtype, split, fp8, store16=STORE_16B,
-                 softmax=(FP8_LAZY_RESCALE, FP8_TREE_MAX) if fp8 else (LAZY_RESCALE, TREE_MAX))
+                 softmax=(FP8_LAZY_RESCALE, FP8_TREE_MAX) if fp8 else (LAZY_RESCALE, TREE_MAX, SPEC_EXP))
     fn(*_pointers(q.dtype, addresses, fp8),
        cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
        cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),
