@@ -222,7 +222,7 @@ TREE_MAX = True
 # 16-bit KV, on top of LAZY_RESCALE and FOLD_SCALE: each thread's P exponentiated against the running max while the
 # tile's max is still being found, kept in warps where the lazy max does not move (seesaw_consumers.speculative_p),
 # so that the MUFU stream of the owner's softmax starts right after S. Off until measured (A/B runs)
-SPEC_EXP = False
+SPEC_EXP = True
 # the 64-row FP8 kernel's: LAZY_RESCALE and TREE_MAX above on its serial page chain (its rescale sits between the
 # softmax and P V, which the next page's conversion waits for). Off, as measured on the H200 (NOTES 97): the lazy
 # rescale 2.1% faster at b128 h64 8k but 1.2-1.7% slower at h128 (s_q 1 and 2), the tree max within 1% either way
