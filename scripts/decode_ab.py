@@ -162,8 +162,10 @@ SEESAW_SWITCHES = ("LAZY_RESCALE", "FOLD_SCALE", "TREE_MAX")
 
 
 def _seesaw_set(on: bool):
-    """The seesaw switches named in DA_SEESAW (comma-separated; default all of them) on, against all off."""
+    """The seesaw switches named in DA_SEESAW (comma-separated; default all of them) on, against all off; SPEC_EXP,
+    built on LAZY_RESCALE and FOLD_SCALE, off in both."""
     m = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    m.SPEC_EXP = False
     for name in SEESAW_SWITCHES:
         setattr(m, name, False)
     if on:

@@ -20,14 +20,15 @@ def test_the_seesaw_switches_are_the_kernels_boolean_flags():
 
 
 def test_seesaw_set_turns_the_named_switches_on_and_all_off(monkeypatch):
-    for name in decode_ab.SEESAW_SWITCHES:
+    for name in (*decode_ab.SEESAW_SWITCHES, "SPEC_EXP"):
         monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
+    monkeypatch.setattr(cd, "SPEC_EXP", True)
     monkeypatch.setenv("DA_SEESAW", "FOLD_SCALE, TREE_MAX")
     _, switch = decode_ab.SWITCHES["SEESAW_SET"]
     switch(True)
-    assert (cd.FOLD_SCALE, cd.TREE_MAX, cd.LAZY_RESCALE) == (True, True, False)
+    assert (cd.FOLD_SCALE, cd.TREE_MAX, cd.LAZY_RESCALE, cd.SPEC_EXP) == (True, True, False, False)
     switch(False)
-    assert not any(getattr(cd, name) for name in decode_ab.SEESAW_SWITCHES)
+    assert not any(getattr(cd, name) for name in (*decode_ab.SEESAW_SWITCHES, "SPEC_EXP"))
     monkeypatch.delenv("DA_SEESAW")
     switch(True)
     assert all(getattr(cd, name) for name in decode_ab.SEESAW_SWITCHES)

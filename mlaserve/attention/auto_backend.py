@@ -8,9 +8,10 @@ primary (DECODE_RULES). Measured on the H200, CUDA-graph timing, page 64, all th
 h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-20261130-d9dab88.json):
 - against `cutedsl_mla`, FlashInfer's fa3 MLA no longer wins anywhere by more than noise: at 128 query rows
   per request in small batches (s_k 32768) it took b 4 by 7-20% until the split combine loaded all splits at
-  once (bench/NOTES.md item 46); since the seesaw's lazy rescale (NOTES 93; h200-20261201-a6f4de8-dense-*.json)
-  b 1/4/16 are 1.27/1.01/1.04x (FlashInfer's time / cutedsl's), b 128 h 128 1.03-1.05x at s_q 1 and 1.00/0.99x
-  at s_q 2 (4k/8k), h 64 s_q 2 1.03/1.04x, so cutedsl keeps every step; FlashInfer cannot read the FP8 cache;
+  once (bench/NOTES.md item 46); since the seesaw's speculative softmax (NOTES 98; h200-20261201-78a6638-dense-
+  cutedsl-triton-flashinfer.json) b 1/4/16 are 1.26/1.01/1.03x (FlashInfer's time / cutedsl's), b 128 h 128
+  1.03-1.08x at s_q 1 and 1.02-1.06x at s_q 2 (4k-32k), h 64 s_q 2 1.04-1.13x, every other shape 1.02-1.20x, so
+  cutedsl keeps every step; FlashInfer cannot read the FP8 cache;
 - against `cutedsl_mla`, Triton's keys-on-M kernel takes steps of up to 16 rows over 16-bit caches: level or
   ahead at h16 (b 128: 0.99-1.04x; b 1/4/16 level; h200-20261201-e1ffa47-dirty-dense-cutedsl-triton-
   flashinfer.json); over the FP8 cache the CuTe DSL's FP8-MMA kernel has pulled ahead (b128 h16 1.12-1.18x,

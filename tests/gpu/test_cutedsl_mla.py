@@ -211,6 +211,7 @@ def test_seesaw_switches_match_reference(monkeypatch, switch, b, s_q, h, num_spl
     off."""
     if min_tiles is not None:
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
+    monkeypatch.setattr(cd, "SPEC_EXP", False)      # built on two of them; test_speculative_p_matches_reference
     for name in SEESAW_SWITCHES:
         monkeypatch.setattr(cd, name, False)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
