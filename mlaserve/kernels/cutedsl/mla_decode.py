@@ -221,7 +221,8 @@ FOLD_SCALE = True
 TREE_MAX = True
 # 16-bit KV, on top of LAZY_RESCALE and FOLD_SCALE: each thread's P exponentiated against the running max while the
 # tile's max is still being found, kept in warps where the lazy max does not move (seesaw_consumers.speculative_p),
-# so that the MUFU stream of the owner's softmax starts right after S. Off until measured (A/B runs)
+# so that the MUFU stream of the owner's softmax starts right after S. On the H200 (bench/NOTES.md 98, sustained
+# clock) 0.7-2.0% faster at b128 h128 / h64 (s_q 1 and 2), level at b4 (False: for A/B runs)
 SPEC_EXP = True
 # the 64-row FP8 kernel's: LAZY_RESCALE and TREE_MAX above on its serial page chain (its rescale sits between the
 # softmax and P V, which the next page's conversion waits for). Off, as measured on the H200 (NOTES 97): the lazy

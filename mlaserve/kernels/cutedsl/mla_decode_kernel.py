@@ -29,6 +29,8 @@ Warp roles (384 threads, three warpgroups):
        faster there on the H200, bench/NOTES.md item 44). Elsewhere the release of stage t-1 stays ahead of the
        wait for KV(t), which keeps the next page's load from waiting for this one's.
     d. mask, m(t) = max(m(t-1), rowmax S), P = exp2(S - m(t)), l_w += rowsum P
+       (with mla_decode.SPEC_EXP, the default: P = exp2(S - m(t-1)) first, kept in warps whose rows' lazy max does
+       not move, seesaw_consumers.speculative_p; 0.7-2.0% faster on the H200, bench/NOTES.md 98)
     e. write P(t), m(t) to smem (and zero V rows past the request's end), fence, arrive "P(t) ready"
     f. O_w rescaled to m(t); issue O_w += P(t) V_{t,w} (A from registers); wait; release stage t
   and after the loop, if the last tile is the other's: a, b.
