@@ -57,6 +57,8 @@ switches, read at launch (so captured with each graph):
   SPEC_EXP       cutedsl: 16-bit KV, the seesaw owner's P exponentiated against the running max while the tile's max
                  is found (kept where the lazy max does not move) against after it (on top of the defaults)
   SPARSE_SPEC_EXP  cutedsl sparse MLA, 16-bit KV (sparse shapes): the same in the sparse seesaw kernel
+  CUTEDSL_BALANCED_SPLITS  cutedsl: steps of <= 64 rows a request planned with their host lengths (two splits where
+                    they balance a one-wave grid; mla_decode.BALANCE_SPLITS) against from shapes only
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -220,6 +222,7 @@ SWITCHES = {
     "SEESAW_SET": ("cutedsl", _seesaw_set),
     "SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "SPEC_EXP")),
     "SPARSE_SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "SPEC_EXP")),
+    "CUTEDSL_BALANCED_SPLITS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "BALANCE_SPLITS")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

@@ -165,8 +165,8 @@ def prepare_ops(name: str, shape: Shape, inputs) -> Prepared:
     if isinstance(shape, DenseShape):
         di: DenseInputs = inputs
         p = di.paging
-        if name == "triton" and di.q[0].device.type == "cuda":
-            splits = _triton_host_splits(shape, p, di.q[0].device)
+        if name in ("triton", "cutedsl") and di.q[0].device.type == "cuda":
+            splits = _host_splits(name, shape, p, di.q[0].device)
             return Prepared([lambda q=q, kv=kv: ops.mla_decode(q, kv, p.block_table, p.seqlens, di.scale, causal=True,
                                                                head_dim_v=shape.d_v, backend=name,
                                                                num_splits=splits())
@@ -188,18 +188,20 @@ def prepare_ops(name: str, shape: Shape, inputs) -> Prepared:
     return prepared
 
 
-def _triton_host_splits(shape: DenseShape, paging, device: torch.device) -> Callable[[], int]:
-    """The triton decode's split count planned from the requests' lengths on the host, as the triton attention
-    backend plans each step (and FlashInfer's peer plans with its host lengths): a getter, the count worked out
-    here, outside any timing, and again only when mla_decode_plan.BALANCE_SPLITS changes (decode_ab's
-    BALANCED_SPLITS switch). Each call still makes its own plan (workspace) from that count, as without it."""
+def _host_splits(name: str, shape: DenseShape, paging, device: torch.device) -> Callable[[], int]:
+    """The triton or cutedsl decode's split count planned from the requests' lengths on the host, as their attention
+    backends plan each step (and FlashInfer's peer plans with its host lengths): a getter, the count worked out
+    here, outside any timing, and again only when a BALANCE_SPLITS flag changes (triton's mla_decode_plan, which
+    both planners' balanced_splits reads, and the cutedsl module's; decode_ab's BALANCED_SPLITS and
+    CUTEDSL_BALANCED_SPLITS switches). Each call still makes its own plan (workspace) from that count."""
     from mlaserve.kernels.triton import mla_decode_plan
+    planner = mla_decode_plan if name == "triton" else importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
     counts = {}
 
     def splits() -> int:
-        key = mla_decode_plan.BALANCE_SPLITS
+        key = (mla_decode_plan.BALANCE_SPLITS, planner.BALANCE_SPLITS)
         if key not in counts:
-            counts[key] = mla_decode_plan.plan_num_splits(
+            counts[key] = planner.plan_num_splits(
                 shape.b, shape.s_q, shape.h, paging.block_table.shape[1], paging.page_size, shape.kv == "fp8",
                 device, seqlens=paging.seqlens_cpu.tolist())
         return counts[key]

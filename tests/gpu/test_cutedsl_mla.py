@@ -258,6 +258,29 @@ def test_speculative_p_matches_reference(monkeypatch, b, s_q, h, num_splits, min
     torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
+                                         (64, 1, True)])
+def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
+    """mla_decode.BALANCE_SPLITS: a one-wave step of <= 64-row requests of varied lengths (4096 +- 50%), planned
+    with its host lengths, runs as two splits a request (the 16-bit kernels, the FP8-MMA and keys-on-M FP8
+    kernels and the 64-row FP8 kernel, split), NaN-poisoned unused slots: within the reference's tolerances."""
+    monkeypatch.setattr(cd, "BALANCE_SPLITS", True)
+    b = min(128, torch.cuda.get_device_properties(0).multi_processor_count)
+    gen = torch.Generator().manual_seed(h + s_q + fp8)
+    lens = (4096 + (torch.rand(b, generator=gen) * 2 - 1) * 2048).long().tolist()
+    if fp8:
+        q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=h + s_q)
+        ref = check.fp8_reference(q, kv, table, seqlens)
+    else:
+        q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=h + s_q)
+        ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
+    plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, fp8, q.device, seqlens=lens)
+    assert plan.num_splits == 2
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
+    ok, max_err, why = check.compare(out, lse, *ref)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("switch", ["FP8_LAZY_RESCALE", "FP8_TREE_MAX", "both"])
 @pytest.mark.parametrize("b, s_q, h, num_splits, q_gain", [(8, 1, 128, 1, 4.0), (5, 2, 40, 1, 1.0),
                                                            (4, 1, 64, 3, 4.0)])

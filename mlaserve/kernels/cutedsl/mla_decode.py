@@ -29,7 +29,7 @@ import triton
 from mlaserve.kernels import fp8_format
 from mlaserve.kernels.cutedsl.common import COMPILE_ADDRESS, cute_dtype, gmem_pointers
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan, workspace_numel  # noqa: F401
-from mlaserve.kernels.triton.mla_decode_plan import _num_sms, full_wave_splits
+from mlaserve.kernels.triton.mla_decode_plan import _num_sms, balanced_splits, full_wave_splits
 from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla_decode
 from mlaserve.kernels.triton import stream_k
 from mlaserve.kernels.triton.work_order import grid_order, longest_first
@@ -125,15 +125,38 @@ def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, 
                             min_pages)
 
 
+# Variable lengths at <= 64 rows a request: b <= the SMs' requests are a grid of one wave (no persistent launch, so
+# no stream-K), and the longest request sets the step. With the step's host lengths, two KV splits a request where
+# triton's estimate says the halves balance the SMs (mla_decode_plan.balanced_splits, bench/NOTES.md 86: 1.10-1.46x
+# for triton's kernels, whose split grids also take the requests longest first; these kernels' split grids run in
+# request order). Off until measured here (A/B runs: decode_ab CUTEDSL_BALANCED_SPLITS)
+BALANCE_SPLITS = False
+
+
+def plan_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
+                    device: torch.device | str, seqlens=None) -> int:
+    """The split count plan_mla_decode takes (without making its workspace): from shapes (`choose_num_splits`),
+    and, with BALANCE_SPLITS, where that is one split of requests of <= 64 rows and the host lengths are given,
+    `balanced_splits`."""
+    device = torch.device(device)
+    if seqlens is not None and len(seqlens) != b:
+        raise ValueError(f"seqlens must have b = {b} entries, got {len(seqlens)}")
+    num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device)
+    if BALANCE_SPLITS and num_splits == 1 and seqlens is not None and s_q * h <= TILE_M:
+        num_splits = balanced_splits(1, _num_sms(device), [-(-int(n) // page_size) for n in seqlens])
+    return num_splits
+
+
 def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, page_size: int, kv_fp8: bool,
                     device: torch.device | str, num_splits: int | None = None,
                     config: MLADecodeConfig | None = None, workspace: torch.Tensor | None = None,
                     seqlens=None) -> MLADecodePlan:
     """Host work for a decode step (split count, split workspace), as mla_decode_plan.plan_mla_decode.
 
-    `config` must be None or this kernel's CONFIG (the signature is the Triton planner's). `seqlens` (host lengths)
-    is taken and not used: the split count here comes from shapes, and variable lengths are balanced on the GPU
-    (persistent launches taking requests longest first, stream-K).
+    `config` must be None or this kernel's CONFIG (the signature is the Triton planner's). `seqlens` (host lengths):
+    with BALANCE_SPLITS, two splits a request where they balance a one-wave grid of <= 64-row requests
+    (plan_num_splits); otherwise the split count comes from shapes, and variable lengths are balanced on the GPU
+    where a step is persistent (requests taken longest first, stream-K).
     """
     if page_size != PAGE_SIZE or head_dim_v != HEAD_DIM_V:
         raise ValueError(f"the cutedsl MLA decode plans page_size {PAGE_SIZE}, head_dim_v {HEAD_DIM_V}; "
@@ -141,7 +164,7 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
     if config is not None and config != CONFIG:
         raise ValueError(f"the cutedsl MLA decode has one config {CONFIG}, got {config}")
     if num_splits is None:
-        num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, torch.device(device))
+        num_splits = plan_num_splits(b, s_q, h, max_pages, page_size, kv_fp8, device, seqlens=seqlens)
     if torch.device(device).type == "cuda":
         scheduler_counters(device)
         stream_k_buffers(device)
