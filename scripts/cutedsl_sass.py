@@ -44,9 +44,7 @@ def compile_kernel(kind: str, split: bool, flags: list[str]) -> None:
     if sparse:
         # what sparse_mla() compiles: its module flags (16-byte stores unsplit, the seesaw's softmax switches)
         fp8 = kind == "sparse-fp8"
-        mod._kernel(torch.bfloat16, split, fp8=fp8, store16=mod.STORE_16B,
-                    softmax=(mod.FP8_LAZY_RESCALE, mod.FP8_TREE_MAX) if fp8 else (mod.LAZY_RESCALE, mod.TREE_MAX,
-                                                                                   mod.SPEC_EXP))
+        mod._kernel(torch.bfloat16, split, fp8=fp8, store16=mod.STORE_16B, softmax=(mod.LAZY_RESCALE, mod.TREE_MAX))
     elif kind == "bf16":
         mod._kernel(torch.bfloat16, True, split)
     elif kind == "bf16-pairs":

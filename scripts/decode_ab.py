@@ -28,13 +28,9 @@ switches, read at launch (so captured with each graph):
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
-  FP8_LAZY_RESCALE, FP8_TREE_MAX  cutedsl: the 64-row FP8 kernel's LAZY_RESCALE / TREE_MAX (below), each against
-                    off (FP8 shapes of more than 32 rows); FP8_SOFTMAX both against neither
   SPARSE_LAZY_RESCALE, SPARSE_TREE_MAX  cutedsl sparse MLA, 16-bit KV (sparse shapes): the seesaw kernel's
                     LAZY_RESCALE / TREE_MAX below, each against off
   SPARSE_SOFTMAX    both together against neither
-  SPARSE_FP8_SOFTMAX  cutedsl sparse MLA, FP8 cache (sparse fp8 shapes): its FP8_LAZY_RESCALE and FP8_TREE_MAX
-                    together against neither
   GLUON_BT_EARLY    triton: the 64-row and narrow Gluon kernels' producers reading a page's block-table entry
                     before waiting for its stage against after
   GLUON_STORE_16B   triton: the 64-row Gluon kernel's O converted to 16 bytes a thread before the stores
@@ -56,7 +52,6 @@ switches, read at launch (so captured with each graph):
                  all three, LAZY_RESCALE,FOLD_SCALE,TREE_MAX) against none
   SPEC_EXP       cutedsl: 16-bit KV, the seesaw owner's P exponentiated against the running max while the tile's max
                  is found (kept where the lazy max does not move) against after it (on top of the defaults)
-  SPARSE_SPEC_EXP  cutedsl sparse MLA, 16-bit KV (sparse shapes): the same in the sparse seesaw kernel
   CUTEDSL_BALANCED_SPLITS  cutedsl: steps of <= 64 rows a request planned with their host lengths (two splits where
                     they balance a one-wave grid; mla_decode.BALANCE_SPLITS) against from shapes only
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
@@ -178,7 +173,6 @@ def _seesaw_set(on: bool):
 
 
 SPARSE_SOFTMAX = ("LAZY_RESCALE", "TREE_MAX")
-FP8_SOFTMAX = ("FP8_LAZY_RESCALE", "FP8_TREE_MAX")
 
 
 # switch -> (backend, setter(on))
@@ -198,13 +192,9 @@ SWITCHES = {
     "FP8_MMA_EARLY_REFILL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_EARLY_REFILL")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
-    "FP8_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_LAZY_RESCALE")),
-    "FP8_TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_TREE_MAX")),
-    "FP8_SOFTMAX": ("cutedsl", _module_flags("mlaserve.kernels.cutedsl.mla_decode", FP8_SOFTMAX)),
     "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),
     "SPARSE_TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "TREE_MAX")),
     "SPARSE_SOFTMAX": ("cutedsl", _module_flags("mlaserve.kernels.cutedsl.sparse_mla", SPARSE_SOFTMAX)),
-    "SPARSE_FP8_SOFTMAX": ("cutedsl", _module_flags("mlaserve.kernels.cutedsl.sparse_mla", FP8_SOFTMAX)),
     "GLUON_BT_EARLY": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "BT_EARLY")),
     "GLUON_STORE_16B": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon", "STORE_16B")),
     "GLUON_SEESAW": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_seesaw", "SEESAW")),
@@ -221,7 +211,6 @@ SWITCHES = {
     "TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "TREE_MAX")),
     "SEESAW_SET": ("cutedsl", _seesaw_set),
     "SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "SPEC_EXP")),
-    "SPARSE_SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "SPEC_EXP")),
     "CUTEDSL_BALANCED_SPLITS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "BALANCE_SPLITS")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }

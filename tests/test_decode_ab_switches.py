@@ -49,22 +49,3 @@ def test_sparse_softmax_switches_set_the_sparse_modules_flags(monkeypatch):
     assert (sp.LAZY_RESCALE, sp.TREE_MAX) == (True, False)
     switch(False)
     assert not any(getattr(sp, name) for name in decode_ab.SPARSE_SOFTMAX)
-
-
-def test_fp8_softmax_switch_sets_both_64_row_fp8_flags(monkeypatch):
-    for name in decode_ab.FP8_SOFTMAX:
-        monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
-    _, switch = decode_ab.SWITCHES["FP8_SOFTMAX"]
-    switch(True)
-    assert (cd.FP8_LAZY_RESCALE, cd.FP8_TREE_MAX) == (True, True)
-    switch(False)
-    assert (cd.FP8_LAZY_RESCALE, cd.FP8_TREE_MAX) == (False, False)
-
-
-def test_sparse_fp8_softmax_switch_sets_the_sparse_fp8_flags(monkeypatch):
-    sp = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla")
-    for name in decode_ab.FP8_SOFTMAX + decode_ab.SPARSE_SOFTMAX:
-        monkeypatch.setattr(sp, name, False)
-    _, switch = decode_ab.SWITCHES["SPARSE_FP8_SOFTMAX"]
-    switch(True)
-    assert (sp.FP8_LAZY_RESCALE, sp.FP8_TREE_MAX, sp.LAZY_RESCALE, sp.TREE_MAX) == (True, True, False, False)

@@ -247,11 +247,6 @@ TREE_MAX = True
 # so that the MUFU stream of the owner's softmax starts right after S. On the H200 (bench/NOTES.md 98, sustained
 # clock) 0.7-2.0% faster at b128 h128 / h64 (s_q 1 and 2), level at b4 (False: for A/B runs)
 SPEC_EXP = True
-# the 64-row FP8 kernel's: LAZY_RESCALE and TREE_MAX above on its serial page chain (its rescale sits between the
-# softmax and P V, which the next page's conversion waits for). Off, as measured on the H200 (NOTES 97): the lazy
-# rescale 2.1% faster at b128 h64 8k but 1.2-1.7% slower at h128 (s_q 1 and 2), the tree max within 1% either way
-FP8_LAZY_RESCALE = False
-FP8_TREE_MAX = False
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -381,8 +376,6 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
                                 "spec_exp": SPEC_EXP}
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
-    fp8_softmax = {"lazy_rescale": FP8_LAZY_RESCALE, "tree_max": FP8_TREE_MAX} if kv_fp8 and not narrow else {}
-    key += tuple(f"fp8-{name}" for name, value in fp8_softmax.items() if value)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -404,8 +397,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16,
-                                                    **fp8_softmax),
+            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16),
                               *_fp8_pointers((None,) * 8, ordered), *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")

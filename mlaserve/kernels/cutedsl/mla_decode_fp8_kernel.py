@@ -61,8 +61,8 @@ from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, scale_rows_moved, split_tiled_mmas,
-    store_dense_block, store_dense_lse)
+    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas, store_dense_block,
+    store_dense_lse)
 
 TILE_M = 64           # query rows per CTA: one wgmma M
 HALF_N = TILE_N // 2
@@ -77,15 +77,8 @@ RELEASE_EVERY = 4
 class MLADecodeFP8Sm90:
     """Compiled per (causal, split, ordered); q, out bf16. Launched by mla_decode.py through `__call__`."""
 
-    def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False,
-                 lazy_rescale: bool = False, tree_max: bool = False):
+    def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False):
         self.dtype = cutlass.BFloat16
-        # the bf16 seesaw's softmax switches (mla_decode_kernel.MLADecodeSm90): a row's max moved only when it
-        # rises by more than split_consumers.LAZY_RESCALE_LOG2, O's rescale skipped in warps where none moved (on
-        # this kernel's serial page chain: S, softmax, rescale, P V, then the next page's conversion); each row's
-        # max folded pairwise
-        self.lazy_rescale = lazy_rescale
-        self.tree_max = tree_max
         self.causal = causal
         self.is_split = is_split
         self.store16 = store16    # whole 64-row blocks (O or split partials) stored 16 bytes at a time
@@ -201,14 +194,10 @@ class MLADecodeFP8Sm90:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         if tok0 + cw * HALF_N + tScS[i][1] >= vis[(i // 2) % 2]:
                             acc_s[i] = -Float32.inf
-                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid, self.lazy_rescale,
-                                    self.tree_max)
+                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
                 publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
-                if const_expr(self.lazy_rescale):
-                    scale_rows_moved(acc_o, alpha)
-                else:
-                    scale_rows(acc_o, alpha)
+                scale_rows(acc_o, alpha)
                 _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
                 cute.arch.mbarrier_arrive(kv_empty)
 

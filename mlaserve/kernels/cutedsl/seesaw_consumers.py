@@ -179,7 +179,7 @@ def take_row_sums(row_m: cute.Tensor, sSum: cute.Tensor, r0: Int32, cw: Int32, p
 
 @cute.jit
 def speculative_p(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor, tPsP: cute.Tensor,
-                  scale, tree: cutlass.Constexpr[bool]):
+                  scale: Float32, tree: cutlass.Constexpr[bool]):
     """Step d with the lazy rescale, P exponentiated before the tile's max is known, and P's store of step e:
     acc_s holds the unscaled S (masked keys -inf); P = exp2(S scale - row_m) against the running max goes into rP
     (in its dtype, pairs packed as they are computed) and on into smem (tPsP), its row sums aside, while this
@@ -188,8 +188,7 @@ def speculative_p(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, rP
     quad_row_max(lazy=True)), that P stands: no shuffles, no move, alpha 1. Otherwise (a rise, or a row that has
     seen no key: -inf - -inf is NaN) the warp takes the default path from the same S, the quad's max and P
     against it, and stores that P over the first. -> alpha [2], O_w's rescale for step f. `scale`: the softmax scale
-    (log2 units) where acc_s holds S unscaled (the dense decode's FOLD_SCALE), None where it is scaled already (the
-    sparse kernel's: scale and mask bias in one FFMA).
+    in log2 units (acc_s holds S unscaled: the dense decode's FOLD_SCALE).
 
     Against the default order (max over the quad, then exponentials against it): the 32 MUFU.EX2 of a thread no
     longer wait for the max's fold, two shuffle rounds and the move, which the owner's softmax otherwise runs
@@ -204,10 +203,7 @@ def speculative_p(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, rP
     for j in cutlass.range_constexpr(cute.size(acc_s) // 2):
         for e in cutlass.range_constexpr(2):
             i = 2 * j + e
-            if const_expr(scale is None):
-                p = cute.arch.exp2(acc_s[i] - row_m[row_of(i)])
-            else:
-                p = cute.arch.exp2(acc_s[i] * scale - row_m[row_of(i)])     # one FFMA, then MUFU.EX2
+            p = cute.arch.exp2(acc_s[i] * scale - row_m[row_of(i)])     # one FFMA, then MUFU.EX2
             pair[e] = p
             sums[row_of(i)] = sums[row_of(i)] + p
         cute.make_tensor(rP.iterator + 2 * j, cute.make_layout(2)).store(pair.load().to(rP.element_type))
@@ -218,9 +214,8 @@ def speculative_p(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, rP
     mx[0] = -Float32.inf
     mx[1] = -Float32.inf
     fold_row_max(acc_s, mx, tree)
-    if const_expr(scale is not None):
-        for hr in cutlass.range_constexpr(2):
-            mx[hr] = mx[hr] * scale
+    for hr in cutlass.range_constexpr(2):
+        mx[hr] = mx[hr] * scale
     rise0 = mx[0] - row_m[0]
     rise1 = mx[1] - row_m[1]
     moved = (rise0 > LAZY_RESCALE_LOG2) | (rise0 != rise0) | (rise1 > LAZY_RESCALE_LOG2) | (rise1 != rise1)

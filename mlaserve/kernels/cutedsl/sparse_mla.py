@@ -44,21 +44,13 @@ STORE_16B = True
 # together were 0.6-1.8% faster (lazy alone 0.3-1.2%, tree alone -0.5 to +0.6%) at b128 h128, b64 h128 s_q2, b128 h64
 LAZY_RESCALE = True
 TREE_MAX = True
-# the same two for the FP8-cache kernel, whose rescale sits on its serial page chain (mla_decode.FP8_LAZY_RESCALE's
-# comment); measured level (0.997-0.998x both on, NOTES 97), so off (A/B runs)
-FP8_LAZY_RESCALE = False
-FP8_TREE_MAX = False
-# the seesaw's P exponentiated against the running max while the tile's max is found, kept in warps where the lazy
-# max does not move (seesaw_consumers.speculative_p; mla_decode.SPEC_EXP, on there). Measured level here on the H200
-# (1.007 / 1.003 / 0.996x at b128 h128 / b64 h128 s_q2 / b128 h64, bench/NOTES.md 98), so off (A/B runs)
-SPEC_EXP = False
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
 # seconds spent compiling each specialization, by compile key (dtype, split, fp8 cache), with "first-slice"
 # appended for the bf16/fp16 first-slice kernel (seesaw=False), "store16" for 16-byte stores and ("softmax", the
-# three switches) where any softmax switch is on
+# seesaw's two switches) where either is on
 compile_seconds: dict[tuple, float] = {}
 _compiled: dict[tuple, object] = {}
 
@@ -123,17 +115,14 @@ def plan_splits(tokens: int, h: int, topk: int, num_sms: int, num_splits: int | 
 
 
 def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = True, store16: bool = False,
-            softmax: tuple[bool, ...] = (False, False)):
+            softmax: tuple[bool, bool] = (False, False)):
     """The compiled kernel for one specialization (compiled on first use, then cached). `seesaw` picks the
     bf16/fp16 kernel (the FP8 cache has one kernel and ignores it); `store16` (unsplit): O in 16-byte stores;
-    `softmax`: (lazy rescale, tree max) for the seesaw or the FP8 kernel (the first-slice kernel has neither), and
-    for the seesaw a third, speculative P (SPEC_EXP)."""
+    `softmax`: (lazy rescale, tree max) for the seesaw (the first-slice and FP8 kernels have neither)."""
     key = (dtype, split, fp8) if seesaw or fp8 else (dtype, split, fp8, "first-slice")
     if store16:
         key += ("store16",)
-    softmax = softmax if seesaw or fp8 else (False, False)
-    if fp8 and len(softmax) > 2:
-        raise ValueError(f"the FP8 sparse kernel takes (lazy rescale, tree max), got softmax={softmax}")
+    softmax = softmax if seesaw and not fp8 else (False, False)
     if any(softmax):
         key += ("softmax",) + softmax
     fn = _compiled.get(key)
@@ -145,11 +134,10 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         if fp8:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_fp8_kernel").SparseMLAFP8Sm90(
-                is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])
+                is_split=split, store16=store16)
         elif seesaw:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
-                cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1],
-                spec_exp=len(softmax) > 2 and softmax[2])
+                cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])
         else:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_kernel").SparseMLASm90(
                 cute_dtype(dtype), is_split=split, store16=store16)
@@ -212,8 +200,7 @@ def sparse_mla(q, kv_cache, indices, softmax_scale, head_dim_v=512, *, num_split
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     addresses = [t.data_ptr() for t in (q, kv_cache, indices, out, lse, po, pl)]
     fp8 = kv_cache.dtype == torch.uint8
-    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B,
-                 softmax=(FP8_LAZY_RESCALE, FP8_TREE_MAX) if fp8 else (LAZY_RESCALE, TREE_MAX, SPEC_EXP))
+    fn = _kernel(q.dtype, split, fp8, store16=STORE_16B, softmax=(LAZY_RESCALE, TREE_MAX))
     fn(*_pointers(q.dtype, addresses, fp8),
        cutlass.Int32(tokens), cutlass.Int32(h), cutlass.Int32(num_slots), cutlass.Int32(topk),
        cutlass.Int32(plan.num_splits), cutlass.Int32(plan.split_len), cutlass.Float32(softmax_scale * _LOG2E),

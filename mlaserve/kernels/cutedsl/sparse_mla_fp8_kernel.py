@@ -58,8 +58,8 @@ from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
     wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, key_of, publish_p, rescale_to_tile_max, scale_rows, scale_rows_moved,
-    sparse_key_bias, split_tiled_mmas, store_sparse)
+    CONSUMER_THREADS, finish_rows, key_of, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias,
+    split_tiled_mmas, store_sparse)
 
 D_PE = D_QK - D_V
 RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit words (528 B)
@@ -74,13 +74,10 @@ LOADER_THREADS = PRODUCER_THREADS   # 128, gathering 8 threads per row as sparse
 class SparseMLAFP8Sm90:
     """Compiled per split; q, out bf16. Launched by sparse_mla.py through `__call__`."""
 
-    def __init__(self, is_split: bool, store16: bool = False, lazy_rescale: bool = False, tree_max: bool = False):
+    def __init__(self, is_split: bool, store16: bool = False):
         self.dtype = cutlass.BFloat16
         self.is_split = is_split
         self.store16 = store16    # blocks of 64 heads (out or split partials) stored 16 bytes at a time
-        # the dense 64-row FP8 kernel's softmax switches (mla_decode_fp8_kernel.MLADecodeFP8Sm90)
-        self.lazy_rescale = lazy_rescale
-        self.tree_max = tree_max
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -191,14 +188,10 @@ class SparseMLAFP8Sm90:
                 raw_c.advance()
                 for i in cutlass.range_constexpr(n_vals):
                     acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
-                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid, self.lazy_rescale,
-                                    self.tree_max)
+                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
                 publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
-                if const_expr(self.lazy_rescale):
-                    scale_rows_moved(acc_o, alpha)
-                else:
-                    scale_rows(acc_o, alpha)
+                scale_rows(acc_o, alpha)
                 _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
                 cute.arch.mbarrier_arrive(kv_empty)
 

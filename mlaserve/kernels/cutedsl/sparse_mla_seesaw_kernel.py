@@ -28,7 +28,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
-    BAR_P_READY, BAR_SUM, issue_mma, other_tile_pv, seesaw_operands, seesaw_tiled_mmas, speculative_p, tile_state)
+    BAR_P_READY, BAR_SUM, issue_mma, other_tile_pv, seesaw_operands, seesaw_tiled_mmas, tile_state)
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     CONSUMER_REGS, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, consumer_rows, cta_coords, load_q, split_range,
     wait_gathered, wait_q)
@@ -44,7 +44,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
     ROW_MAX_COLS = 1      # sMax [64]: the running max m(t) its owner published with P(t)
 
     def __init__(self, dtype, is_split: bool, store16: bool = False, lazy_rescale: bool = False,
-                 tree_max: bool = False, spec_exp: bool = False):
+                 tree_max: bool = False):
         """The softmax switches are the dense seesaw's (mla_decode_kernel.MLADecodeSm90): `lazy_rescale`, a row's
         max moves only when it rises by more than split_consumers.LAZY_RESCALE_LOG2 and O's rescales are skipped
         in warps where none moved; `tree_max`, each row's max folded pairwise. (Not its fold_scale: here the
@@ -52,10 +52,6 @@ class SparseMLASeesawSm90(SparseMLASm90):
         super().__init__(dtype, is_split, store16)
         self.lazy_rescale = lazy_rescale
         self.tree_max = tree_max
-        # P against the running max before the tile's max is known (seesaw_consumers.speculative_p)
-        self.spec_exp = spec_exp
-        if spec_exp and not lazy_rescale:
-            raise ValueError("spec_exp takes lazy_rescale")
 
     def _tiled_mmas(self) -> tuple:
         """The dense seesaw kernel's three MMAs (mla_decode_kernel.seesaw_tiled_mmas)."""
@@ -109,22 +105,16 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
                 warpgroup.wait_group(0)
                 # -- d: mask, running max, P --
-                if const_expr(self.spec_exp):
-                    # -- d and e's store of P --
-                    for i in cutlass.range_constexpr(n_vals):
-                        acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
-                    alpha = speculative_p(acc_s, row_m, row_l, rP, tPsP, None, self.tree_max)
-                else:
-                    mx = cute.make_rmem_tensor(2, Float32)
-                    mx[0] = row_m[0]
-                    mx[1] = row_m[1]
-                    for i in cutlass.range_constexpr(n_vals):
-                        acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
-                    fold_row_max(acc_s, mx, self.tree_max)
-                    alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
-                    exp_p(acc_s, m_base, row_l, rP)
-                    # -- e: publish P(t), m(t) --
-                    cute.autovec_copy(rP, tPsP)
+                mx = cute.make_rmem_tensor(2, Float32)
+                mx[0] = row_m[0]
+                mx[1] = row_m[1]
+                for i in cutlass.range_constexpr(n_vals):
+                    acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
+                fold_row_max(acc_s, mx, self.tree_max)
+                alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
+                exp_p(acc_s, m_base, row_l, rP)
+                # -- e: publish P(t), m(t) --
+                cute.autovec_copy(rP, tPsP)
                 if ctid % 4 == 0:
                     sMax[r0] = row_m[0]
                     sMax[r0 + 8] = row_m[1]

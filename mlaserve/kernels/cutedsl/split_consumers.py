@@ -71,19 +71,14 @@ def sparse_key_bias(bias: cute.Tensor, tScS: cute.Tensor, key0: Int32, end: Int3
 
 @cute.jit
 def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, alpha: cute.Tensor,
-                        m_base: cute.Tensor, s_max: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32,
-                        lazy: cutlass.Constexpr[bool] = False, tree: cutlass.Constexpr[bool] = False):
+                        m_base: cute.Tensor, s_max: cute.Tensor, r0: Int32, cw: Int32, ctid: Int32):
     """The online-softmax step of one tile (S in log2 units in acc_s): the rows' maxima over this consumer's
     keys (quad shuffles), exchanged with the other consumer through s_max [64, 2] and BAR_MAX; then the new
-    running max row_m, alpha = exp2(old - new), row_l *= alpha, and m_base (move_row_max).
-
-    `lazy`: quad_row_max's rule (a row's max moves only when it rises by more than LAZY_RESCALE_LOG2), taken on
-    the max both consumers compute alike, so that they keep the same row_m; the caller skips O's rescale where no
-    row moved (scale_rows_moved). `tree`: fold_row_max's pairwise fold."""
+    running max row_m, alpha = exp2(old - new), row_l *= alpha, and m_base (move_row_max)."""
     mx = cute.make_rmem_tensor(2, Float32)
     mx[0] = -Float32.inf
     mx[1] = -Float32.inf
-    fold_row_max(acc_s, mx, tree)
+    fold_row_max(acc_s, mx)
     for hr in cutlass.range_constexpr(2):
         mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=1))
         mx[hr] = cute.arch.fmax(mx[hr], cute.arch.shuffle_sync_bfly(mx[hr], offset=2))
@@ -91,14 +86,8 @@ def rescale_to_tile_max(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tens
             s_max[r0 + 8 * hr, cw] = mx[hr]
     cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=CONSUMER_THREADS)
     for hr in cutlass.range_constexpr(2):
-        m_new = cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], s_max[r0 + 8 * hr, 1 - cw]))
-        if const_expr(lazy):
-            mx[hr] = m_new
-            # -inf - -inf is NaN, which compares false: a row that has seen no key takes the new max
-            if mx[hr] - row_m[hr] <= LAZY_RESCALE_LOG2:
-                mx[hr] = row_m[hr]
-            m_new = mx[hr]
-        move_row_max(row_m, row_l, alpha, m_base, hr, m_new)
+        move_row_max(row_m, row_l, alpha, m_base, hr,
+                     cute.arch.fmax(row_m[hr], cute.arch.fmax(mx[hr], s_max[r0 + 8 * hr, 1 - cw])))
 
 
 @cute.jit
