@@ -5,8 +5,7 @@ a wait or a fence). A kernel change is checked here before device time is spent 
 
     python scripts/cutedsl_sass.py fp8mma [--split] [--flag FP8_MMA_VEC_IO=0 ...] [--out DIR] [--ops FILE]
     kinds: bf16 (the 16-bit 64-row kernel), bf16-pairs (the same as the persistent ticket launch of 2-CTA clusters
-    that 128 rows a request take), fp8mma, fp8mma32 (n 16, 32), n16, n32, w64 (the FP8 decode kernels), sparse,
-    sparse-fp8
+    that 128 rows a request take), fp8mma, n16, n32, w64 (the FP8 decode kernels), sparse, sparse-fp8
 
 --flag sets an mla_decode module flag (sparse_mla's for the sparse kinds) before compiling; --ops writes the
 kernel's instructions without addresses and encodings, so that two builds compare with `cmp` (a refactor that
@@ -26,7 +25,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-KINDS = ("bf16", "bf16-pairs", "fp8mma", "fp8mma32", "n16", "n32", "w64", "sparse", "sparse-fp8")
+KINDS = ("bf16", "bf16-pairs", "fp8mma", "n16", "n32", "w64", "sparse", "sparse-fp8")
 INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", re.M)
 
 
@@ -54,8 +53,8 @@ def compile_kernel(kind: str, split: bool, flags: list[str]) -> None:
         mod._kernel(torch.bfloat16, True, False, cluster=2, persistent=True, store16=mod.STORE_16B,
                     early_sums=mod.EARLY_SUMS, rank_order=mod.RANK_ORDER)
     else:
-        narrow = {"fp8mma": 16, "fp8mma32": 32, "n16": 16, "n32": 32, "w64": 0}[kind]
-        mod._kernel(torch.bfloat16, True, split, kv_fp8=True, narrow=narrow, fp8_mma=kind.startswith("fp8mma"))
+        narrow = {"fp8mma": 16, "n16": 16, "n32": 32, "w64": 0}[kind]
+        mod._kernel(torch.bfloat16, True, split, kv_fp8=True, narrow=narrow, fp8_mma=kind == "fp8mma")
 
 
 def _op(text: str) -> str:

@@ -25,8 +25,6 @@ switches, read at launch (so captured with each graph):
                  the refill (FP8 shapes of <= 32 rows)
   FP8_MMA_VEC_IO cutedsl: the FP8-MMA kernel's Q in 16-byte loads and O in bf16 pairs against value by value
   FP8_MMA_EARLY_REFILL cutedsl: the FP8-MMA kernel refilling a stage after its last V^T read against after the page
-  FP8_MMA_N32    cutedsl: FP8 steps of 17-32 rows through the FP8-MMA kernel at n 32 against the bf16-tile kernel
-  FP8_MMA_PV_K_STACKED cutedsl: the 16-row FP8-MMA kernel with P's hi | lo on the P V product's K against on its N
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -192,8 +190,6 @@ SWITCHES = {
     "GRID_ORDER": ("triton", _grid_order),
     "FP8_MMA_VEC_IO": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_VEC_IO")),
     "FP8_MMA_EARLY_REFILL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_EARLY_REFILL")),
-    "FP8_MMA_N32": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_N32")),
-    "FP8_MMA_PV_K_STACKED": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_PV_K_STACKED")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
     "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),

@@ -80,27 +80,16 @@ def test_fp8_requests_of_few_rows_take_the_keys_on_m_kernel(rows, want):
     assert cd.fp8_narrow_cols(rows) == want
 
 
-@pytest.mark.parametrize("rows, max_pages, num_splits, n32, want", [
-    (16, 128, 1, False, True), (16, 96, 2, False, True), (8, 768, 16, False, True),  # splits of >= 48 pages
-    (16, 512, 11, False, False), (16, 47, 1, False, False), (16, 32, 1, False, False),  # shorter splits
-    (17, 512, 1, False, False), (32, 512, 1, False, False), (64, 512, 1, False, False),  # more than 16 rows
-    (17, 512, 1, True, True), (32, 96, 2, True, True),             # FP8_MMA_N32: 17-32 rows too
-    (32, 47, 1, True, False), (33, 512, 1, True, False), (64, 512, 1, True, False),
+@pytest.mark.parametrize("rows, max_pages, num_splits, want", [
+    (16, 128, 1, True), (16, 96, 2, True), (8, 768, 16, True),     # splits of >= 48 pages at <= 16 rows
+    (16, 512, 11, False), (16, 47, 1, False), (16, 32, 1, False),  # shorter splits: the bf16-tile kernel
+    (17, 512, 1, False), (32, 512, 1, False), (64, 512, 1, False),  # more rows than the FP8-MMA kernel takes
 ])
-def test_fp8_mma_kernel_only_at_narrow_rows_with_long_splits(monkeypatch, rows, max_pages, num_splits, n32, want):
-    monkeypatch.setattr(cd, "FP8_MMA_N32", n32)
+def test_fp8_mma_kernel_only_at_16_rows_with_long_splits(monkeypatch, rows, max_pages, num_splits, want):
     assert cd.uses_fp8_mma(True, rows, max_pages, num_splits) is want
     assert cd.uses_fp8_mma(False, rows, max_pages, num_splits) is False      # 16-bit KV
     monkeypatch.setattr(cd, "FP8_MMA", False)
     assert cd.uses_fp8_mma(True, rows, max_pages, num_splits) is False
-
-
-@pytest.mark.parametrize("kv_fp8, narrow", [(True, 0), (False, 16)])
-def test_fp8_mma_kernel_refuses_other_widths(kv_fp8, narrow):
-    """The FP8-MMA kernel is compiled for FP8 KV at n 16 or 32 only: a ValueError naming the values, before
-    anything is imported or compiled."""
-    with pytest.raises(ValueError, match=f"kv_fp8={kv_fp8}, narrow={narrow}"):
-        cd._kernel(torch.bfloat16, True, False, kv_fp8, 1, narrow, fp8_mma=True)
 
 
 def test_plan_splits_small_batches_and_sizes_the_workspace():

@@ -338,20 +338,17 @@ def test_fp8_matches_reference(case):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
-def _fp8_mma_for_every_split(monkeypatch, n32: bool = False):
-    """The FP8-MMA kernel for every FP8 step of <= 16 rows (`n32`: of <= 32 rows, mla_decode.FP8_MMA_N32), however
-    short its splits (mla_decode.uses_fp8_mma)."""
-    widths = (16, 32) if n32 else (16,)
+def _fp8_mma_for_every_split(monkeypatch):
+    """The FP8-MMA kernel for every FP8 step of <= 16 rows, however short its splits (mla_decode.uses_fp8_mma)."""
     monkeypatch.setattr(cd, "uses_fp8_mma", lambda kv_fp8, rows, max_pages, num_splits:
-                        kv_fp8 and cd.fp8_narrow_cols(rows) in widths)
+                        kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
 
 
-@pytest.mark.parametrize("s_q, h, fp8_mma", [(2, 64, False), (1, 16, True), (1, 32, True), (2, 13, True)])
+@pytest.mark.parametrize("s_q, h, fp8_mma", [(2, 64, False), (1, 16, True)])
 def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma):
-    """A captured FP8 step (the 64-row kernel; the FP8-MMA one at n 16 and n 32, taken for every split, against the
-    exact entries)."""
+    """A captured FP8 step (the 64-row kernel; the FP8-MMA one, taken for every split, against the exact entries)."""
     if fp8_mma:
-        _fp8_mma_for_every_split(monkeypatch, n32=True)
+        _fp8_mma_for_every_split(monkeypatch)
     b = 4
     lens = [1 + (977 * i) % 3000 for i in range(b)]
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b)
@@ -363,7 +360,7 @@ def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma):
 _LONG = [1, 2, 63, 64, 65, 4096] + [1 + (389 * i) % 4096 for i in range(122)]
 
 
-_FP8_MMA_16 = [
+@pytest.mark.parametrize("lens, s_q, h, causal, num_splits", [
     ([1, 63, 64, 4096], 1, 16, True, None),
     ([2, 65, 1000, 129], 2, 8, True, None),
     ([777], 3, 5, True, None),                     # 15 rows, odd heads
@@ -372,70 +369,15 @@ _FP8_MMA_16 = [
     ([0, 1, 2], 2, 8, True, 3),                    # an empty request, splits past the end
     (_LONG, 1, 16, True, None),
     ([8192] * 8, 1, 16, True, 1),                  # 128 pages a CTA: every stage reused many times
-]
-_FP8_MMA_32 = [
-    ([1, 63, 64, 4096], 1, 32, True, None),
-    ([2, 65, 1000, 129], 2, 16, True, None),
-    ([777, 130], 3, 10, True, None),               # 30 rows
-    ([1500, 3], 1, 20, True, None),                # odd heads: 20 rows, 12 padded
-    ([5, 300, 64, 1], 1, 32, False, None),
-    ([3000, 17, 64, 2000], 1, 32, True, 4),        # split-KV partials
-    ([0, 1, 2], 2, 16, True, 3),                   # an empty request, splits past the end
-    (_LONG, 1, 32, True, None),
-    ([8192] * 8, 1, 32, True, 1),                  # 128 pages a CTA
-    ([8192] * 4, 4, 8, True, 1),                   # s_q 4: the causal mask on the last page of each row
-]
-_CASE_ID = lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}"     # noqa: E731
-
-
-@pytest.mark.parametrize("lens, s_q, h, causal, num_splits", _FP8_MMA_16 + _FP8_MMA_32, ids=_CASE_ID)
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
 def test_fp8_mma_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num_splits):
-    """The <= 16-row kernel with FP8 wgmma on the e4m3 bytes, and its 32-row form (mla_decode.FP8_MMA_N32), taken
-    for every split here, on NaN-poisoned unused slots, against the reference on the cache's exact entries (the
-    scales applied in fp32, as triton's FP8-MMA kernel)."""
+    """The <= 16-row kernel with FP8 wgmma on the e4m3 bytes, taken for every split here, on
+    NaN-poisoned unused slots, against the reference on the cache's exact entries (the scales applied in fp32, as
+    triton's FP8-MMA kernel)."""
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + h)
-    _fp8_mma_for_every_split(monkeypatch, n32=True)
-    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
-    ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
-
-
-@pytest.mark.parametrize("lens, s_q, h, causal, num_splits", _FP8_MMA_16, ids=_CASE_ID)
-def test_fp8_mma_pv_k_stacked_matches_reference(monkeypatch, lens, s_q, h, causal, num_splits):
-    """The 16-row FP8-MMA kernel with P's hi | lo on the P V product's K (mla_decode.FP8_MMA_PV_K_STACKED), against
-    the exact-entry reference."""
-    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 2 * h)
     _fp8_mma_for_every_split(monkeypatch)
-    monkeypatch.setattr(cd, "FP8_MMA_PV_K_STACKED", True)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
-
-
-def test_fp8_mma_kernel_refuses_other_forms():
-    """The kernel class takes n 16 or 32, and n 32 only with its wide I/O and P V on K (its registers)."""
-    kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
-    with pytest.raises(ValueError, match="n=64"):
-        kmod.MLADecodeFP8MmaSm90(causal=True, is_split=False, n=64)
-    with pytest.raises(ValueError, match="vec_io and pv_k_stacked"):
-        kmod.MLADecodeFP8MmaSm90(causal=True, is_split=False, n=32, vec_io=True, pv_k_stacked=False)
-
-
-def test_fp8_mma_32_rows_taken_by_the_rule(monkeypatch):
-    """With FP8_MMA_N32 on, a 32-row FP8 step of long splits takes the FP8-MMA kernel (its compiled key), and its
-    result meets the reference; off, the bf16-tile kernel."""
-    lens = [4096 + 64 * i for i in range(8)]
-    q, kv, table, seqlens = check.make_fp8_case(lens, 1, 32, seed=32)
-    monkeypatch.setattr(cd, "FP8_MMA_N32", False)
-    assert not cd.uses_fp8_mma(True, 32, table.shape[1], 1)
-    monkeypatch.setattr(cd, "FP8_MMA_N32", True)
-    assert cd.uses_fp8_mma(True, 32, table.shape[1], 1)
-    launched = []
-    kernel = cd._kernel
-    monkeypatch.setattr(cd, "_kernel", lambda *args, **kw: launched.append((args[5], args[-1])) or kernel(*args, **kw))
-    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
-    assert launched == [(32, True)], launched          # (narrow, fp8_mma)
-    ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, True))
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
@@ -444,7 +386,7 @@ def test_fp8_mma_32_rows_taken_by_the_rule(monkeypatch):
     ([777, 5], 3, 5, None),                        # 15 rows: the 16th reads a clamped row and zeroes it
     ([3000, 17, 64, 2000], 1, 16, 4),              # the fp32 split partials in pairs
     ([2, 65, 1000, 129], 2, 7, 3),
-], ids=_CASE_ID)
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
 def test_fp8_mma_vector_io_equals_value_io(monkeypatch, lens, s_q, h, num_splits):
     """The FP8-MMA kernel's Q in 16-byte loads and O in pairs (mla_decode.FP8_MMA_VEC_IO): the same bits as its
     value-by-value loads and stores."""

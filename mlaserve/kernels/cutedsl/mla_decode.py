@@ -226,13 +226,6 @@ FP8_MMA_VEC_IO = True
 # P V are folded into O^T) against after the page (False: for A/B runs). On the H200 (bench/NOTES.md 75):
 # 1.001-1.006x at every FP8-MMA shape measured
 FP8_MMA_EARLY_REFILL = True
-# FP8 KV at 17-32 rows (h32, h16 s_q2) through the FP8-MMA kernel at n 32 (the same split rule) instead of the
-# bf16-tile one: S^T's groups two at a time, P^T's hi | lo on the P V product's K, two of P^T's four groups in the
-# page's k_pe stage (bench/NOTES.md 102, 104). Off until measured on a GPU
-FP8_MMA_N32 = False
-# The FP8-MMA kernel at n 16 with P's hi | lo on the P V product's K (two k-steps each on the same V^T registers,
-# an m64n16 product with no hi + lo add in the fold) against on its N (n 32 always stacks on K). Off until measured
-FP8_MMA_PV_K_STACKED = False
 # 16-bit KV: each consumer publishes its row sums once they are final, so that the one that ran an item's last tile
 # normalizes and stores while the other still adds that tile's P V (True), or both exchange them after both P Vs
 # (False). Off: interleaved on the H200 (20-round single calls and back-to-back turns alike) the exchange after was
@@ -341,8 +334,7 @@ def uses_fp8_mma(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bo
     least CONFIG.fp8_mma_min_pages pages (host shapes only: the block table's columns and the plan's splits).
     triton's rule for its own FP8-MMA kernel (mla_decode_plan.uses_fp8_mma) has since moved with its other
     kernel (bench/NOTES.md 84); this one was measured against the CuTe bf16-tile kernel (NOTES 72)."""
-    narrow = fp8_narrow_cols(rows)
-    return (FP8_MMA and kv_fp8 and (narrow == 16 or narrow == 32 and FP8_MMA_N32) and CONFIG.fp8_mma_min_pages > 0
+    return (FP8_MMA and kv_fp8 and fp8_narrow_cols(rows) == 16 and CONFIG.fp8_mma_min_pages > 0
             and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
@@ -353,7 +345,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
     `ordered` (the 64-row FP8 kernel, unsplit): the grid's request axis through an order of the requests.
-    `fp8_mma` (FP8, narrow 16 or 32): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it)."""
+    `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -372,9 +364,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
     if fp8_mma:
-        if not (kv_fp8 and narrow in (16, 32)):
-            raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 or 32 rows, got kv_fp8={kv_fp8}, "
-                             f"narrow={narrow}")
+        if not (kv_fp8 and narrow == 16):
+            raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
         key += ("fp8-mma",)
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
@@ -382,9 +373,6 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("scalar-io",)
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
-    pv_k_stacked = narrow == 32 or FP8_MMA_PV_K_STACKED
-    if fp8_mma and pv_k_stacked:
-        key += ("pv-k-stacked",)
     seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
                                 "spec_exp": SPEC_EXP}
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
@@ -399,8 +387,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
             fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD,
-                                                          vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL,
-                                                          n=narrow, pv_k_stacked=pv_k_stacked),
+                                                          vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL),
                               *_fp8_pointers((None,) * 8), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")

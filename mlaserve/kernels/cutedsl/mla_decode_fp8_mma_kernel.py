@@ -1,7 +1,6 @@
-"""The Hopper (sm_90a) MLA decode over the FP8 656-byte KV format for requests of at most n = 16 query rows
-(h 16 / h 8 with s_q 1, h 8 with s_q 2) or, compiled with n = 32, of 17-32 (h 32, h 16 s_q 2), keys on wgmma's M
-side, with FP8 tensor-core MMAs on the pages' e4m3 bytes as they arrive: nothing is converted to bf16 (bench/NOTES.md
-68). Written below for n = 16; what n = 32 changes is at the end.
+"""The Hopper (sm_90a) MLA decode over the FP8 656-byte KV format for requests of at most 16 query rows
+(h 16 / h 8 with s_q 1, h 8 with s_q 2), keys on wgmma's M side, with FP8 tensor-core MMAs on the pages' e4m3
+bytes as they arrive: nothing is converted to bf16 (bench/NOTES.md 68).
 
     S^T [64 keys, 16] = sum_g s_g(key) * (K_g Qh_g^T + K_g Ql_g^T) 2^-a + K_pe Q_pe^T
         K_g [64, 128]: scale group g's e4m3 box, TMA'd in the 128-byte swizzle (wgmma's A from smem, K-major);
@@ -19,16 +18,6 @@ Warp roles (256 threads): two consumer warpgroups on alternate pages (consumer c
 stages c and c + 2 of 4, which it refills itself), each with its own O^T, maxima and sums, merged at the end
 through consumer 1's stages. A stage holds a page's four e4m3 boxes (32 KB), its scales [64, 4] fp32 and k_pe.
 Both consumers build Q's hi/lo parts at the start (18 KB of Q from global memory).
-
-n = 32 (bench/NOTES.md 100, 102, 104): O^T alone is 128 fp32 registers a thread, so the kernel is laid out to fit
-255 registers and the 227 KB of shared memory. P V takes P's hi | lo on its K (`pv_k_stacked`: two k-steps each on
-the same V^T registers, an m64n32 product, half the m64n64's accumulator, and no hi + lo add in the fold); S^T's four
-m64n64 group accumulators run two at a time (each scaled into an fp32 sum as it completes, its registers reissued
-for group g + 2); 2^-a, the visible lengths and the previous maxima are not held across pages (read from smem,
-computed in the masked pages' branch, alpha != 1); P^T's groups 0, 1 go into the page's k_pe stage (read by S^T
-by then; the early refill comes after tile 5's product, so after their last read), groups 2, 3 into sPt; the merge
-puts consumer 1's O^T in its stages 1 and 3 and its maxima and sums in its k_pe stage 1. Q's parts take two passes
-of 16 rows. The n = 16 kernel can stack P V on K too (mla_decode.FP8_MMA_PV_K_STACKED).
 
 Measured on the H200 (bench/NOTES.md 69; decode_ab against the bf16-tile kernel, 10 rounds): b128 h16 s_k
 4k/8k/32k 118.3/212.4/765.1 us against 120.1/224.9/848.2 (1.01/1.06/1.11x; FP8 at 1.33x / 1.41x the bf16
@@ -60,7 +49,8 @@ from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
 
-N_ROWS = (16, 32)     # query rows a CTA (n): h16 / h8 s_q2 and, FP8_MMA_N32, h32 / h16 s_q2
+N = 16                # query rows a CTA
+NH = 2 * N            # hi and lo parts on wgmma's N
 STAGES = 4            # consumer c owns stages c and c + 2
 THREADS = 256
 CONSUMER_THREADS = 128
@@ -76,7 +66,7 @@ SCALE_BYTES = TILE_N * GROUPS * 4
 PE_BYTES = TILE_N * D_PE * 2
 Q_RANGE_EXP = 7       # q * 2^a has its largest |value| in [2^7, 2^8)
 P_RANGE = 256.0
-PT_IN_PE = 2          # n 32: P^T of groups 0, 1 in the page's k_pe stage (read by then), groups 2, 3 in sPt
+RED_SLOTS = N + GROUPS  # per warp and parity: the column maxima, then the scale groups' maxima
 
 
 class MLADecodeFP8MmaSm90:
@@ -84,27 +74,13 @@ class MLADecodeFP8MmaSm90:
     of MLADecodeFP8Sm90 (s_q * h <= 16)."""
 
     def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True, vec_io: bool = True,
-                 early_refill: bool = False, n: int = 16, pv_k_stacked: bool = False):
-        if n not in N_ROWS:
-            raise ValueError(f"the FP8-MMA kernel takes {N_ROWS} query rows a CTA, got n={n}")
-        if n == 32 and not (vec_io and pv_k_stacked):
-            raise ValueError("the FP8-MMA kernel at n 32 takes vec_io and pv_k_stacked (its registers)")
+                 early_refill: bool = False):
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
         self.bt_ahead = bt_ahead
         self.vec_io = vec_io
         self.early_refill = early_refill
-        self.n = n
-        self.nh = 2 * n                     # Q's hi | lo on S's N
-        self.red_slots = n + GROUPS         # per warp and parity: the column maxima, then the groups' maxima
-        # P V with P's hi | lo on K (two k-steps each, V^T's fragment read twice): an m64nN product, not m64n2N,
-        # and no hi + lo add in the fold
-        self.pv_k_stacked = pv_k_stacked
-        # n 32 only (its registers and shared memory): S^T's groups two at a time, P^T of groups 0, 1 in the k_pe
-        # stage, the per-column inv2a / visible lengths / previous maxima not held across pages
-        self.wide = n == 32
-        self.merge_per_stage = M_TILES // 2 if self.wide else M_TILES    # consumer 1's O^T tiles a raw stage
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -128,17 +104,12 @@ class MLADecodeFP8MmaSm90:
         atom16 = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_PE), self.dtype)
         sK_layout = cute.tile_to_shape(atom8, (TILE_N, D_V, STAGES), order=(0, 1, 2))
-        sQ8_layout = cute.tile_to_shape(atom8, (self.nh, D_V), order=(0, 1))
+        sQ8_layout = cute.tile_to_shape(atom8, (NH, D_V), order=(0, 1))
         atom8p = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, TILE_N), f8)
-        # P^T's buffers, a group's [2n, 64] each (hi rows, then lo); k-stacked, seen as [n, 64] hi and lo buffers
-        # (the same bytes). Wide: the sPt buffers hold groups 2, 3 and each k_pe stage groups 0, 1 (sPtPe).
-        pt_groups = GROUPS - PT_IN_PE if self.wide else GROUPS
-        pt_rows, pt_parts = (self.n, 2) if self.pv_k_stacked else (self.nh, 1)
-        sPt_layout = cute.tile_to_shape(atom8p, (pt_rows, TILE_N, 2 * pt_groups * pt_parts), order=(0, 1, 2))
-        sPtPe_layout = cute.tile_to_shape(atom8p, (pt_rows, TILE_N, STAGES * PT_IN_PE * pt_parts), order=(0, 1, 2))
+        sPt_layout = cute.tile_to_shape(atom8p, (NH, TILE_N, 2 * GROUPS), order=(0, 1, 2))
         sPE_layout = cute.tile_to_shape(atom16, (TILE_N, D_PE, STAGES), order=(0, 1, 2))
-        sQpe_layout = cute.tile_to_shape(atom16, (self.n, D_PE), order=(0, 1))
+        sQpe_layout = cute.tile_to_shape(atom16, (N, D_PE), order=(0, 1))
         sSc_layout = cute.make_layout((TILE_N, GROUPS, STAGES), stride=(GROUPS, 1, TILE_N * GROUPS))
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -150,12 +121,12 @@ class MLADecodeFP8MmaSm90:
                                                       (TILE_N, D_PE))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, self.nh))
+            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, NH))
         tiled_mma_pe = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (64, self.n))
+            Float32, (1, 1, 1), (64, N))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, pt_rows),
+            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, NH),
             a_source=warpgroup.OperandSource.RMEM)
 
         @cute.struct
@@ -167,13 +138,13 @@ class MLADecodeFP8MmaSm90:
             sQpe: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQpe_layout)], 1024]
             sSc: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sSc_layout)], 128]
             full: cute.struct.MemRange[cutlass.Int64, STAGES]
-            inv2a: cute.struct.MemRange[Float32, self.n]
-            red: cute.struct.MemRange[Float32, 2 * 2 * WARPS * self.red_slots]
+            inv2a: cute.struct.MemRange[Float32, N]
+            red: cute.struct.MemRange[Float32, 2 * 2 * WARPS * RED_SLOTS]
 
         self.shared_storage = SharedStorage
         self.kernel(mQ, tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
                     s_q, h, rows, num_splits, scale_log2, sK_layout, sPE_layout, sQ8_layout, sPt_layout,
-                    sPtPe_layout, sQpe_layout, sSc_layout, tiled_mma_qk, tiled_mma_pe, tiled_mma_pv).launch(
+                    sQpe_layout, sSc_layout, tiled_mma_qk, tiled_mma_pe, tiled_mma_pv).launch(
             grid=(1, num_splits, batch), block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -182,8 +153,7 @@ class MLADecodeFP8MmaSm90:
                mSeqlens: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor,
                s_q: Int32, h: Int32, rows: Int32, num_splits: Int32, scale_log2: Float32,
                sK_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sQ8_layout: cute.ComposedLayout,
-               sPt_layout: cute.ComposedLayout, sPtPe_layout: cute.ComposedLayout, sQpe_layout: cute.ComposedLayout,
-               sSc_layout: cute.Layout,
+               sPt_layout: cute.ComposedLayout, sQpe_layout: cute.ComposedLayout, sSc_layout: cute.Layout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pe: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         _, split, batch = cute.arch.block_idx()
@@ -207,11 +177,9 @@ class MLADecodeFP8MmaSm90:
         sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
         sQpe = storage.sQpe.get_tensor(sQpe_layout.outer, swizzle=sQpe_layout.inner)
         sSc = storage.sSc.get_tensor(sSc_layout)
-        n = self.n
-        nh = self.nh
-        rs = self.red_slots
-        sInv = storage.inv2a.get_tensor(cute.make_layout(n))
-        sRed = storage.red.get_tensor(cute.make_layout((rs, WARPS, 2, 2), stride=(1, rs, WARPS * rs, 2 * WARPS * rs)))
+        sInv = storage.inv2a.get_tensor(cute.make_layout(N))
+        sRed = storage.red.get_tensor(cute.make_layout((RED_SLOTS, WARPS, 2, 2),
+                                                       stride=(1, RED_SLOTS, WARPS * RED_SLOTS, 2 * WARPS * RED_SLOTS)))
         k_base = storage.sK.data_ptr().toint()
 
         seqlen = mSeqlens[batch]
@@ -237,13 +205,12 @@ class MLADecodeFP8MmaSm90:
                     _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
                                mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
 
-        # -- Q's parts, both consumers: 16 threads a row, 16 rows a pass --
-        for row0 in cutlass.range_constexpr(0, n, THREADS // 16):
-            if const_expr(self.vec_io):
-                _store_q_parts_16b(mQ.iterator.toint(), batch, rows, tidx, storage.sQ8.data_ptr().toint(),
-                                   storage.sQpe.data_ptr().toint(), sInv, row0, n)
-            else:
-                _store_q_parts(mQ, batch, rows, tidx, _u8_view(sQ8, sQ8_layout.inner), sQpe, sInv, row0, n)
+        # -- Q's parts, both consumers: 16 threads a row --
+        if const_expr(self.vec_io):
+            _store_q_parts_16b(mQ.iterator.toint(), batch, rows, tidx, storage.sQ8.data_ptr().toint(),
+                               storage.sQpe.data_ptr().toint(), sInv)
+        else:
+            _store_q_parts(mQ, batch, rows, tidx, _u8_view(sQ8, sQ8_layout.inner), sQpe, sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
 
@@ -254,57 +221,40 @@ class MLADecodeFP8MmaSm90:
         tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ8))                # [.., 1, 16 k]
         tSrKpe = tiled_mma_pe.make_fragment_A(thr_pe.partition_A(sPE))
         tSrQpe = tiled_mma_pe.make_fragment_B(thr_pe.partition_B(sQpe))
-        tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sPt))                # [.., 1, 2 k, buffers]
-        pe_base = storage.sPE.data_ptr().toint()
-        if const_expr(self.wide):
-            pe8 = cute.recast_ptr(storage.sPE.data_ptr(), swizzle_=sPtPe_layout.inner, dtype=cutlass.Float8E4M3FN)
-            sPtPe = cute.make_tensor(pe8, sPtPe_layout.outer)
-            tOrPe = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sPtPe))        # [.., 1, 2 k, 4 a stage]
-        acc_g = [cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_N, nh)), Float32)
-                 for _ in range(2 if self.wide else GROUPS)]
-        acc_s = cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, n)), Float32)
-        acc_t = [cute.make_rmem_tensor(thr_pv.partition_shape_C((64, n if self.pv_k_stacked else nh)), Float32)
-                 for _ in range(2)]
-        acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, n)), Float32) for _ in range(M_TILES)]
+        tOrP = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sPt))                # [.., 1, 2 k, 8 buffers]
+        acc_g = [cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_N, NH)), Float32) for _ in range(GROUPS)]
+        acc_s = cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, N)), Float32)
+        acc_t = [cute.make_rmem_tensor(thr_pv.partition_shape_C((64, NH)), Float32) for _ in range(2)]
+        acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, N)), Float32) for _ in range(M_TILES)]
         for m in cutlass.range_constexpr(M_TILES):
             acc_o[m].fill(0.0)
         frag_v = [tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_N))) for _ in range(2)]
-        tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, n)))
+        tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, N)))
 
         k0 = warp * 16 + lane // 4
-        slots = n // 4
-        cols = columns(lane, n)
+        slots = N // 4
+        cols = columns(lane, N)
         # P^T's pair stores: this thread's keys k0, k0 + 8 sit at K columns 16 w + 2 q, + 1 (module docstring) of
-        # rows r = cols[s] (hi) and n + r (lo) of a group's [2n, 64] buffer, in the 64-byte swizzle (16-byte
-        # chunk j of row r at j ^ ((r // 2) % 4)); p_addr: in consumer c's first sPt buffer (wide: the offset in
-        # a buffer)
+        # rows n = cols[s] (hi) and 16 + n (lo) of consumer c's [32, 64] buffers, in the 64-byte swizzle (16-byte
+        # chunk j of row n at j ^ ((n // 2) % 4))
         p_addr = cute.make_rmem_tensor(slots, Int32)
         for s in cutlass.range_constexpr(slots):
-            if const_expr(self.wide):
-                p_addr[s] = cols[s] * TILE_N + 16 * (warp ^ ((cols[s] // 2) % 4)) + 2 * (lane // 4)
-            else:
-                p_addr[s] = (storage.sPt.data_ptr().toint() + GROUPS * c * (nh * TILE_N) + cols[s] * TILE_N
-                             + 16 * (warp ^ ((cols[s] // 2) % 4)) + 2 * (lane // 4))
-        pt_base = storage.sPt.data_ptr().toint() + (GROUPS - PT_IN_PE) * c * (nh * TILE_N)
-        if const_expr(not self.wide):
-            vis = cute.make_rmem_tensor(slots, Int32)
+            p_addr[s] = (storage.sPt.data_ptr().toint() + GROUPS * c * (NH * TILE_N) + cols[s] * TILE_N
+                         + 16 * (warp ^ ((cols[s] // 2) % 4)) + 2 * (lane // 4))
+        vis = cute.make_rmem_tensor(slots, Int32)
         col_m = cute.make_rmem_tensor(slots, Float32)
-        if const_expr(not self.wide):
-            m_prev = cute.make_rmem_tensor(slots, Float32)
+        m_prev = cute.make_rmem_tensor(slots, Float32)
         col_l = cute.make_rmem_tensor(slots, Float32)
         alpha = cute.make_rmem_tensor(slots, Float32)
         m_base = cute.make_rmem_tensor(slots, Float32)
-        if const_expr(not self.wide):
-            inv2a = cute.make_rmem_tensor(slots, Float32)
+        inv2a = cute.make_rmem_tensor(slots, Float32)
         sc = cute.make_rmem_tensor((2, GROUPS), Float32)
         smax = cute.make_rmem_tensor(GROUPS, Float32)
         for s in cutlass.range_constexpr(slots):
-            if const_expr(not self.wide):
-                vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
+            vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
             col_m[s] = -Float32.inf
             col_l[s] = 0.0
-            if const_expr(not self.wide):
-                inv2a[s] = sInv[cols[s]]
+            inv2a[s] = sInv[cols[s]]
         min_vis = first_masked_key(seqlen, s_q, self.causal)
         bar_red = BAR_RED + 2 * c
         bar_p = BAR_P + 2 * c
@@ -341,58 +291,24 @@ class MLADecodeFP8MmaSm90:
             # -- S^T: four FP8 groups (K_g from the stage, Q's hi | lo on N), k_pe in bf16 --
             warpgroup.fence()
             atom = cute.make_mma_atom(tiled_mma_qk.op)
+            for g in cutlass.range_constexpr(GROUPS):
+                for k in cutlass.range_constexpr(4):
+                    atom.set(warpgroup.Field.ACCUMULATE, k > 0)
+                    cute.gemm(atom, acc_g[g], tSrK[None, None, 4 * g + k, st], tSrQ[None, None, 4 * g + k], acc_g[g])
             atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
+            for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
+                atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
+                cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
             half = cute.size(acc_s)
-            if const_expr(self.wide):
-                # k_pe and groups 0, 1; then each group's sum, scaled, into s_sum as it completes, its accumulator
-                # reissued for group g + 2 (two of the four m64n64 accumulators live at a time)
-                for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
-                    atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
-                    cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
-                for g in cutlass.range_constexpr(2):
-                    _qk_group(atom, acc_g[g], tSrK, tSrQ, g, st)
-                    warpgroup.commit_group()
-                s_sum = cute.make_rmem_tensor(half, Float32)
+            for i in cutlass.range_constexpr(half):
+                hr = (i // 2) % 2
+                s_val = Float32(0.0)
                 for g in cutlass.range_constexpr(GROUPS):
-                    warpgroup.wait_group(1 if g < GROUPS - 1 else 0)
-                    a = acc_g[g % 2]
-                    for i in cutlass.range_constexpr(half):
-                        part = (a[i] + a[i + half]) * sc[(i // 2) % 2, g]
-                        if const_expr(g == 0):
-                            s_sum[i] = part
-                        else:
-                            s_sum[i] = s_sum[i] + part
-                    if const_expr(g + 2 < GROUPS):
-                        warpgroup.fence()
-                        _qk_group(atom, a, tSrK, tSrQ, g + 2, st)
-                        warpgroup.commit_group()
-                for s in cutlass.range_constexpr(slots):
-                    f2a = sInv[cols[s]]
-                    for i in cutlass.range_constexpr(half):
-                        if const_expr(col_slot(i, n) == s):
-                            acc_s[i] = (s_sum[i] * f2a + acc_s[i]) * scale_log2
-                if tok0 + TILE_N > min_vis:
-                    for s in cutlass.range_constexpr(slots):
-                        vis_s = visible_keys(seqlen, s_q, h, cols[s], self.causal)
-                        for i in cutlass.range_constexpr(half):
-                            if const_expr(col_slot(i, n) == s):
-                                if tok0 + k0 + 8 * ((i // 2) % 2) >= vis_s:
-                                    acc_s[i] = -Float32.inf
-            else:
-                for g in cutlass.range_constexpr(GROUPS):
-                    _qk_group(atom, acc_g[g], tSrK, tSrQ, g, st)
-                for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
-                    atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
-                    cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                for i in cutlass.range_constexpr(half):
-                    hr = (i // 2) % 2
-                    s_val = Float32(0.0)
-                    for g in cutlass.range_constexpr(GROUPS):
-                        s_val = s_val + (acc_g[g][i] + acc_g[g][i + half]) * sc[hr, g]
-                    acc_s[i] = (s_val * inv2a[col_slot(i, n)] + acc_s[i]) * scale_log2
-                mask_keys(acc_s, tok0, k0, vis, min_vis, n)
+                    s_val = s_val + (acc_g[g][i] + acc_g[g][i + half]) * sc[hr, g]
+                acc_s[i] = (s_val * inv2a[col_slot(i, N)] + acc_s[i]) * scale_log2
+            mask_keys(acc_s, tok0, k0, vis, min_vis, N)
             # -- column maxima and the scale groups' page maxima: own rows, the warp, then the 4 warps --
             # (keys_on_m.publish_column_max's loop, written out: through the helper ptxas schedules the scale
             # maxima's shuffles below differently)
@@ -409,75 +325,48 @@ class MLADecodeFP8MmaSm90:
                 for off in (4, 8, 16):
                     smax[g] = cute.arch.fmax(smax[g], cute.arch.shuffle_sync_bfly(smax[g], offset=off))
                 if lane == 0:
-                    sRed[n + g, warp, u % 2, c] = smax[g]
+                    sRed[N + g, warp, u % 2, c] = smax[g]
             cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-            if const_expr(not self.wide):
-                for s in cutlass.range_constexpr(slots):
-                    m_prev[s] = col_m[s]
+            for s in cutlass.range_constexpr(slots):
+                m_prev[s] = col_m[s]
             take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
             for g in cutlass.range_constexpr(GROUPS):
-                m_g = sRed[n + g, 0, u % 2, c]
+                m_g = sRed[N + g, 0, u % 2, c]
                 for w in cutlass.range_constexpr(1, WARPS):
-                    m_g = cute.arch.fmax(m_g, sRed[n + g, w, u % 2, c])
+                    m_g = cute.arch.fmax(m_g, sRed[N + g, w, u % 2, c])
                 smax[g] = cute.arch.fmax(m_g, Float32(1e-30))
-            exp_columns(acc_s, m_base, col_l, n)
-            # -- P_g = P s_g(key) 256 / max_page(s_g), hi | lo, into group g's buffer: keys k0, k0 + 8 of a column
-            # as one e4m3 pair (a 2-byte store each for hi and lo) --
-            pe_stage = pe_base + st * PE_BYTES
+            exp_columns(acc_s, m_base, col_l, N)
+            # -- P_g = P s_g(key) 256 / max_page(s_g), hi | lo on N, into consumer c's buffer g: keys k0, k0 + 8
+            # of a column as one e4m3 pair (a 2-byte store each for hi and lo) --
             for g in cutlass.range_constexpr(GROUPS):
                 f = P_RANGE * cute.arch.rcp_approx(smax[g])
                 for s in cutlass.range_constexpr(slots):
                     i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
                     hl = _e4m3_parts(acc_s[i] * (sc[0, g] * f), acc_s[i + 2] * (sc[1, g] * f))
-                    addr = p_addr[s] + g * (nh * TILE_N)
-                    if const_expr(self.wide):
-                        if const_expr(g < PT_IN_PE):
-                            addr = p_addr[s] + pe_stage + g * (nh * TILE_N)
-                        else:
-                            addr = p_addr[s] + pt_base + (g - PT_IN_PE) * (nh * TILE_N)
+                    addr = p_addr[s] + g * (NH * TILE_N)
                     _st_shared_u16(addr, hl)
-                    _st_shared_u16(addr + n * TILE_N, hl >> 16)
+                    _st_shared_u16(addr + N * TILE_N, hl >> 16)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
             # -- O^T = alpha O^T + sum_m V^T_m P_g^T, each tile's product folded in fp32 (O^T rescaled only
-            # where a column's max moved: alpha is 1 elsewhere (wide: alpha is 1 exactly where the max stayed),
-            # and every warp sees the same maxima) --
-            if const_expr(self.wide):
-                moved = alpha[0] != 1.0
-                for s in cutlass.range_constexpr(1, slots):
-                    moved = moved | (alpha[s] != 1.0)
-            else:
-                moved = col_m[0] != m_prev[0]
-                for s in cutlass.range_constexpr(1, slots):
-                    moved = moved | (col_m[s] != m_prev[s])
+            # where a column's max moved: alpha is 1 elsewhere, and every warp sees the same maxima) --
+            moved = col_m[0] != m_prev[0]
+            for s in cutlass.range_constexpr(1, slots):
+                moved = moved | (col_m[s] != m_prev[s])
             if cute.arch.vote_any_sync(moved):
                 for m in cutlass.range_constexpr(M_TILES):
                     for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, N)]
             atom_pv = cute.make_mma_atom(tiled_mma_pv.op)
             for m in cutlass.range_constexpr(M_TILES + 1):
                 if const_expr(m < M_TILES):
                     buf = frag_v[m % 2]
                     _v_fragment(cute.recast_tensor(buf, Int32), stage_base, warp, lane, m)
                     warpgroup.fence()
-                    g = m // 2
-                    if const_expr(not self.pv_k_stacked):
-                        for k in cutlass.range_constexpr(TILE_N // 32):
-                            atom_pv.set(warpgroup.Field.ACCUMULATE, k > 0)
-                            cute.gemm(atom_pv, acc_t[m % 2], buf[None, None, k],
-                                      tOrP[None, None, k, GROUPS * c + g], acc_t[m % 2])
-                    else:
-                        # P's hi part, then its lo part, on the same V^T registers
-                        for part in cutlass.range_constexpr(2):
-                            for k in cutlass.range_constexpr(TILE_N // 32):
-                                atom_pv.set(warpgroup.Field.ACCUMULATE, part + k > 0)
-                                if const_expr(not self.wide):
-                                    p_op = tOrP[None, None, k, 2 * (GROUPS * c + g) + part]
-                                elif const_expr(g < PT_IN_PE):
-                                    p_op = tOrPe[None, None, k, 2 * (PT_IN_PE * st + g) + part]
-                                else:
-                                    p_op = tOrP[None, None, k, 2 * ((GROUPS - PT_IN_PE) * c + g - PT_IN_PE) + part]
-                                cute.gemm(atom_pv, acc_t[m % 2], buf[None, None, k], p_op, acc_t[m % 2])
+                    for k in cutlass.range_constexpr(TILE_N // 32):
+                        atom_pv.set(warpgroup.Field.ACCUMULATE, k > 0)
+                        cute.gemm(atom_pv, acc_t[m % 2], buf[None, None, k],
+                                  tOrP[None, None, k, GROUPS * c + m // 2], acc_t[m % 2])
                     warpgroup.commit_group()
                     if const_expr(self.early_refill and m == M_TILES - 1):
                         # the stage's last ldmatrix is done: refill it now, before the last two tiles' folds
@@ -497,10 +386,7 @@ class MLADecodeFP8MmaSm90:
                     f = smax[(m - 1) // 2] * (1.0 / P_RANGE)
                     tt = acc_t[(m - 1) % 2]
                     for i in cutlass.range_constexpr(cute.size(acc_o[m - 1])):
-                        if const_expr(self.pv_k_stacked):
-                            acc_o[m - 1][i] = acc_o[m - 1][i] + tt[i] * f
-                        else:
-                            acc_o[m - 1][i] = acc_o[m - 1][i] + (tt[i] + tt[i + half]) * f
+                        acc_o[m - 1][i] = acc_o[m - 1][i] + (tt[i] + tt[i + half]) * f
             if const_expr(not self.early_refill):
                 # the stage's generic reads (ldmatrix) before its next TMA; warp 0 refills it with page t + 4
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -511,28 +397,16 @@ class MLADecodeFP8MmaSm90:
                     _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
             next_page = later_page
 
-        # -- consumer 1 leaves O^T in its stage 1, maxima and sums in its stage 3 (no page lands there any more);
-        # wide (64 KB of O^T): M tiles 0-3 in stage 1, 4-7 in stage 3, maxima and sums in k_pe stage 1 --
+        # -- consumer 1 leaves O^T in its stage 1, maxima and sums in its stage 3 (no page lands there any more) --
         vals = cute.size(acc_o[0])
-        per_stage = self.merge_per_stage
-        merge_layout = cute.make_layout((CONSUMER_THREADS, per_stage * vals), stride=(1, CONSUMER_THREADS))
-        merge = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + KV_BYTES, dtype=Float32), merge_layout)
-        merge3 = merge          # wide: M tiles 4-7
-        if const_expr(self.wide):
-            merge3 = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + 3 * KV_BYTES, dtype=Float32),
-                                      merge_layout)
-        ml_ptr = storage.sK.data_ptr() + 3 * KV_BYTES
-        if const_expr(self.wide):
-            ml_ptr = storage.sPE.data_ptr() + TILE_N * D_PE
-        merge_ml = cute.make_tensor(cute.recast_ptr(ml_ptr, dtype=Float32),
+        merge = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + KV_BYTES, dtype=Float32),
+                                 cute.make_layout((CONSUMER_THREADS, M_TILES * vals), stride=(1, CONSUMER_THREADS)))
+        merge_ml = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + 3 * KV_BYTES, dtype=Float32),
                                     cute.make_layout((CONSUMER_THREADS, 2 * slots), stride=(1, CONSUMER_THREADS)))
         if c == 1:
             for m in cutlass.range_constexpr(M_TILES):
                 for i in cutlass.range_constexpr(vals):
-                    if const_expr(m < per_stage):
-                        merge[ctid, m * vals + i] = acc_o[m][i]
-                    else:
-                        merge3[ctid, (m - per_stage) * vals + i] = acc_o[m][i]
+                    merge[ctid, m * vals + i] = acc_o[m][i]
             for s in cutlass.range_constexpr(slots):
                 merge_ml[ctid, s] = col_m[s]
                 merge_ml[ctid, slots + s] = col_l[s]
@@ -553,11 +427,7 @@ class MLADecodeFP8MmaSm90:
                 col_m[s] = mm
             for m in cutlass.range_constexpr(M_TILES):
                 for i in cutlass.range_constexpr(vals):
-                    if const_expr(m < per_stage):
-                        o1 = merge[ctid, m * vals + i]
-                    else:
-                        o1 = merge3[ctid, (m - per_stage) * vals + i]
-                    acc_o[m][i] = acc_o[m][i] * a0[col_slot(i, n)] + o1 * a1[col_slot(i, n)]
+                    acc_o[m][i] = acc_o[m][i] * a0[col_slot(i, N)] + merge[ctid, m * vals + i] * a1[col_slot(i, N)]
 
             # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
             par = (n_tiles + 1) // 2 % 2
@@ -575,7 +445,7 @@ class MLADecodeFP8MmaSm90:
                             r = tOcO[i][1]
                             d = 64 * m + _v_dim(tOcO[i][0])
                             if r < rows:
-                                f = inv_l[col_slot(i, n)]
+                                f = inv_l[col_slot(i, N)]
                                 at = cutlass.Int64((row0 + r) * D_V + d) * (4 if self.is_split else 2)
                                 _st_global_pair(out_base + at, acc_o[m][i] * f, acc_o[m][i + 2] * f,
                                                 bf16=not self.is_split)
@@ -585,7 +455,7 @@ class MLADecodeFP8MmaSm90:
                         r = tOcO[i][1]
                         d = 64 * m + _v_dim(tOcO[i][0])
                         if r < rows:
-                            val = acc_o[m][i] * inv_l[col_slot(i, n)]
+                            val = acc_o[m][i] * inv_l[col_slot(i, N)]
                             if const_expr(self.is_split):
                                 mPO[batch, split, r, d] = val
                             else:
@@ -606,21 +476,12 @@ def _load_page(tma_kv: cute.CopyAtom, tKg: cute.Tensor, tKs: cute.Tensor, tma_sc
 
 
 @cute.jit
-def _qk_group(atom: cute.MmaAtom, acc: cute.Tensor, tSrK: cute.Tensor, tSrQ: cute.Tensor, g: cutlass.Constexpr[int],
-              st: Int32):
-    """S^T's group g into acc: K_g [64, 128] of stage st against Q's hi | lo, four k-steps."""
-    for k in cutlass.range_constexpr(4):
-        atom.set(warpgroup.Field.ACCUMULATE, k > 0)
-        cute.gemm(atom, acc, tSrK[None, None, 4 * g + k, st], tSrQ[None, None, 4 * g + k], acc)
-
-
-@cute.jit
 def _store_q_parts(mQ: cute.Tensor, batch: Int32, rows: Int32, tidx: Int32, q8: cute.Tensor, sQpe: cute.Tensor,
-                   sInv: cute.Tensor, row0: cutlass.Constexpr[int], n: cutlass.Constexpr[int]):
-    """Q * 2^a = hi + lo in e4m3 into sQ8 rows r (hi) and n + r (lo), a per query row r (its largest |q| in
-    [2^7, 2^8)), 2^-a into sInv, the rope part into sQpe: rows row0 .. row0 + 15, 16 threads a row (one half
-    warp), 32 columns each. q8: sQ8 as bytes (_u8_view)."""
-    r = tidx // 16 + row0
+                   sInv: cute.Tensor):
+    """Q * 2^a = hi + lo in e4m3 into sQ8 rows r (hi) and 16 + r (lo), a per query row r (its largest |q| in
+    [2^7, 2^8)), 2^-a into sInv, the rope part into sQpe. 16 threads a row (one half warp), 32 columns each.
+    q8: sQ8 as bytes (_u8_view)."""
+    r = tidx // 16
     part = tidx % 16
     vals = cute.make_rmem_tensor(D_V // 16, Float32)
     amax = Float32(0.0)
@@ -640,8 +501,8 @@ def _store_q_parts(mQ: cute.Tensor, batch: Int32, rows: Int32, tidx: Int32, q8: 
         col = (D_V // 16) * part + j
         q8[r, col] = cutlass.Uint8(hl & 0xFF)
         q8[r, col + 1] = cutlass.Uint8((hl >> 8) & 0xFF)
-        q8[n + r, col] = cutlass.Uint8((hl >> 16) & 0xFF)
-        q8[n + r, col + 1] = cutlass.Uint8((hl >> 24) & 0xFF)
+        q8[N + r, col] = cutlass.Uint8((hl >> 16) & 0xFF)
+        q8[N + r, col + 1] = cutlass.Uint8((hl >> 24) & 0xFF)
     if part == 0:
         sInv[r] = 1.0 / scale
     for j in cutlass.range_constexpr(D_PE // 16):
@@ -685,14 +546,13 @@ def _v_fragment(frag: cute.Tensor, stage_base: Int32, warp: Int32, lane: Int32, 
 
 @cute.jit
 def _store_q_parts_16b(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, q8_base: Int32,
-                       qpe_base: Int32, sInv: cute.Tensor, row0: cutlass.Constexpr[int], n: cutlass.Constexpr[int]):
+                       qpe_base: Int32, sInv: cute.Tensor):
     """_store_q_parts in 16-byte pieces: the 16 threads of row r take its 16-byte chunks k = part + 16 j, j < 4
     (a half warp's load is 256 contiguous bytes), and parts < 8 the rope chunk 64 + part. Rows past `rows` read
     row 0 and are zeroed. Byte addresses: q_base (q row b * rows + r at 1152 (b * rows + r)); q8_base: sQ8
-    [2n, 512] e4m3 in the 128-byte swizzle (atoms of 8 rows of 128 bytes, 2n / 8 atoms down at 1024, then 4
-    across at 256 n; 16-byte chunk c of a row's 128 bytes sits at c ^ (row % 8)); qpe_base: sQpe [n, 64] bf16,
-    likewise."""
-    r = tidx // 16 + row0
+    [32, 512] e4m3 in the 128-byte swizzle (atoms of 8 rows of 128 bytes, 4 atoms down at 1024, then 4 across at
+    4096; 16-byte chunk c of a row's 128 bytes sits at c ^ (row % 8)); qpe_base: sQpe [16, 64] bf16, likewise."""
+    r = tidx // 16
     part = tidx % 16
     rr = r
     if r >= rows:
@@ -724,9 +584,9 @@ def _store_q_parts_16b(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: I
     scale = _pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
     for j in cutlass.range_constexpr(4):
         hl = [_e4m3_parts(vals[8 * j + 2 * e] * scale, vals[8 * j + 2 * e + 1] * scale) for e in range(4)]
-        chunk = ((part // 2) ^ (r % 8)) * 16 + 8 * (part % 2) + 256 * n * j
+        chunk = ((part // 2) ^ (r % 8)) * 16 + 8 * (part % 2) + 4096 * j
         hi_addr = q8_base + (r // 8) * 1024 + (r % 8) * 128 + chunk
-        lo_addr = q8_base + ((n + r) // 8) * 1024 + (r % 8) * 128 + chunk    # row n + r: (n + r) % 8 is r % 8
+        lo_addr = q8_base + ((N + r) // 8) * 1024 + (r % 8) * 128 + chunk    # row N + r: (N + r) % 8 is r % 8
         _st_shared_words(hi_addr, [_prmt(hl[0], hl[1], 0x5410), _prmt(hl[2], hl[3], 0x5410)])
         _st_shared_words(lo_addr, [_prmt(hl[0], hl[1], 0x7632), _prmt(hl[2], hl[3], 0x7632)])
     if part == 0:
