@@ -52,8 +52,9 @@ switches, read at launch (so captured with each graph):
                  all three, LAZY_RESCALE,FOLD_SCALE,TREE_MAX) against none
   SPEC_EXP       cutedsl: 16-bit KV, the seesaw owner's P exponentiated against the running max while the tile's max
                  is found (kept where the lazy max does not move) against after it (on top of the defaults)
-  CUTEDSL_BALANCED_SPLITS  cutedsl: steps of <= 64 rows a request planned with their host lengths (two splits where
-                    they balance a one-wave grid; mla_decode.BALANCE_SPLITS) against from shapes only
+  CUTEDSL_BALANCED_SPLITS  cutedsl: steps of <= $DA_BALANCE_ROWS (default 64) rows a request planned with their host
+                    lengths (two splits where they balance a one-wave grid; mla_decode.BALANCE_SPLITS_MAX_ROWS)
+                    against from shapes only
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -124,6 +125,12 @@ def _fp8_mma_force(on: bool):
     rule = _fp8_mma_force.__dict__.setdefault("rule", cd.uses_fp8_mma)
     cd.uses_fp8_mma = ((lambda kv_fp8, rows, max_pages, num_splits: cd.FP8_MMA and kv_fp8
                         and cd.fp8_narrow_cols(rows) == 16) if on else rule)
+
+
+def _cutedsl_balance_rows(on: bool):
+    """The CuTe DSL plan's host-length splits up to DA_BALANCE_ROWS (default 64) rows a request, against never."""
+    cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    cd.BALANCE_SPLITS_MAX_ROWS = int(os.environ.get("DA_BALANCE_ROWS", "64")) if on else 0
 
 
 def _seesaw_32_rows(on: bool):
@@ -211,7 +218,7 @@ SWITCHES = {
     "TREE_MAX": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "TREE_MAX")),
     "SEESAW_SET": ("cutedsl", _seesaw_set),
     "SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "SPEC_EXP")),
-    "CUTEDSL_BALANCED_SPLITS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "BALANCE_SPLITS")),
+    "CUTEDSL_BALANCED_SPLITS": ("cutedsl", _cutedsl_balance_rows),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

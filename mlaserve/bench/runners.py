@@ -191,15 +191,16 @@ def prepare_ops(name: str, shape: Shape, inputs) -> Prepared:
 def _host_splits(name: str, shape: DenseShape, paging, device: torch.device) -> Callable[[], int]:
     """The triton or cutedsl decode's split count planned from the requests' lengths on the host, as their attention
     backends plan each step (and FlashInfer's peer plans with its host lengths): a getter, the count worked out
-    here, outside any timing, and again only when a BALANCE_SPLITS flag changes (triton's mla_decode_plan, which
-    both planners' balanced_splits reads, and the cutedsl module's; decode_ab's BALANCED_SPLITS and
-    CUTEDSL_BALANCED_SPLITS switches). Each call still makes its own plan (workspace) from that count."""
+    here, outside any timing, and again only when a balancing flag changes (triton's mla_decode_plan.BALANCE_SPLITS,
+    which both planners' balanced_splits reads, and the cutedsl module's BALANCE_SPLITS_MAX_ROWS; decode_ab's
+    BALANCED_SPLITS and CUTEDSL_BALANCED_SPLITS switches). Each call still makes its own plan (workspace) from that
+    count."""
     from mlaserve.kernels.triton import mla_decode_plan
     planner = mla_decode_plan if name == "triton" else importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
     counts = {}
 
     def splits() -> int:
-        key = (mla_decode_plan.BALANCE_SPLITS, planner.BALANCE_SPLITS)
+        key = (mla_decode_plan.BALANCE_SPLITS, getattr(planner, "BALANCE_SPLITS_MAX_ROWS", None))
         if key not in counts:
             counts[key] = planner.plan_num_splits(
                 shape.b, shape.s_q, shape.h, paging.block_table.shape[1], paging.page_size, shape.kv == "fp8",

@@ -261,10 +261,10 @@ def test_speculative_p_matches_reference(monkeypatch, b, s_q, h, num_splits, min
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
                                          (64, 1, True)])
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
-    """mla_decode.BALANCE_SPLITS: a one-wave step of <= 64-row requests of varied lengths (4096 +- 50%), planned
+    """mla_decode.BALANCE_SPLITS_MAX_ROWS (64 here): a one-wave step of <= 64-row requests of varied lengths (4096 +- 50%), planned
     with its host lengths, runs as two splits a request (the 16-bit kernels, the FP8-MMA and keys-on-M FP8
     kernels and the 64-row FP8 kernel, split), NaN-poisoned unused slots: within the reference's tolerances."""
-    monkeypatch.setattr(cd, "BALANCE_SPLITS", True)
+    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64)
     b = min(128, torch.cuda.get_device_properties(0).multi_processor_count)
     gen = torch.Generator().manual_seed(h + s_q + fp8)
     lens = (4096 + (torch.rand(b, generator=gen) * 2 - 1) * 2048).long().tolist()

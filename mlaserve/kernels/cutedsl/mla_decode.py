@@ -129,20 +129,22 @@ def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, 
 # no stream-K), and the longest request sets the step. With the step's host lengths, two KV splits a request where
 # triton's estimate says the halves balance the SMs (mla_decode_plan.balanced_splits, bench/NOTES.md 86: 1.10-1.46x
 # for triton's kernels, whose split grids also take the requests longest first; these kernels' split grids run in
-# request order). Off until measured here (A/B runs: decode_ab CUTEDSL_BALANCED_SPLITS)
-BALANCE_SPLITS = False
+# request order), for requests of at most BALANCE_SPLITS_MAX_ROWS rows (0: never). On the H200 (NOTES 104; decode_ab
+# CUTEDSL_BALANCED_SPLITS, lengths 8192 +- 50%): h16 1.035x bf16, 1.054x FP8; h64 1.003x, FP8 1.012x; h32 FP8 32k
+# 0.986x; hence 16
+BALANCE_SPLITS_MAX_ROWS = 16
 
 
 def plan_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
                     device: torch.device | str, seqlens=None) -> int:
     """The split count plan_mla_decode takes (without making its workspace): from shapes (`choose_num_splits`),
-    and, with BALANCE_SPLITS, where that is one split of requests of <= 64 rows and the host lengths are given,
+    and, where that is one split of requests of <= BALANCE_SPLITS_MAX_ROWS rows and the host lengths are given,
     `balanced_splits`."""
     device = torch.device(device)
     if seqlens is not None and len(seqlens) != b:
         raise ValueError(f"seqlens must have b = {b} entries, got {len(seqlens)}")
     num_splits = choose_num_splits(b, s_q, h, max_pages, page_size, device)
-    if BALANCE_SPLITS and num_splits == 1 and seqlens is not None and s_q * h <= TILE_M:
+    if num_splits == 1 and seqlens is not None and s_q * h <= min(BALANCE_SPLITS_MAX_ROWS, TILE_M):
         num_splits = balanced_splits(1, _num_sms(device), [-(-int(n) // page_size) for n in seqlens])
     return num_splits
 
@@ -154,7 +156,7 @@ def plan_mla_decode(b: int, s_q: int, h: int, head_dim_v: int, max_pages: int, p
     """Host work for a decode step (split count, split workspace), as mla_decode_plan.plan_mla_decode.
 
     `config` must be None or this kernel's CONFIG (the signature is the Triton planner's). `seqlens` (host lengths):
-    with BALANCE_SPLITS, two splits a request where they balance a one-wave grid of <= 64-row requests
+    two splits a request where they balance a one-wave grid of requests of <= BALANCE_SPLITS_MAX_ROWS rows
     (plan_num_splits); otherwise the split count comes from shapes, and variable lengths are balanced on the GPU
     where a step is persistent (requests taken longest first, stream-K).
     """
