@@ -29,7 +29,7 @@ KINDS = ("bf16", "bf16-pairs", "fp8mma", "n16", "n32", "w64", "sparse", "sparse-
 INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", re.M)
 
 
-def compile_kernel(kind: str, split: bool, flags: list[str]) -> None:
+def compile_kernel(kind: str, split: bool, flags: list[str], ordered: bool = False) -> None:
     import torch
     sparse = kind.startswith("sparse")
     mod = importlib.import_module("mlaserve.kernels.cutedsl." + ("sparse_mla" if sparse else "mla_decode"))
@@ -46,7 +46,7 @@ def compile_kernel(kind: str, split: bool, flags: list[str]) -> None:
         fp8 = kind == "sparse-fp8"
         mod._kernel(torch.bfloat16, split, fp8=fp8, store16=mod.STORE_16B, softmax=(mod.LAZY_RESCALE, mod.TREE_MAX))
     elif kind == "bf16":
-        mod._kernel(torch.bfloat16, True, split)
+        mod._kernel(torch.bfloat16, True, split, ordered=ordered)
     elif kind == "bf16-pairs":
         if split:
             raise SystemExit("bf16-pairs is a persistent launch: unsplit only")
@@ -54,7 +54,7 @@ def compile_kernel(kind: str, split: bool, flags: list[str]) -> None:
                     early_sums=mod.EARLY_SUMS, rank_order=mod.RANK_ORDER)
     else:
         narrow = {"fp8mma": 16, "n16": 16, "n32": 32, "w64": 0}[kind]
-        mod._kernel(torch.bfloat16, True, split, kv_fp8=True, narrow=narrow, fp8_mma=kind == "fp8mma")
+        mod._kernel(torch.bfloat16, True, split, kv_fp8=True, narrow=narrow, fp8_mma=kind == "fp8mma", ordered=ordered)
 
 
 def _op(text: str) -> str:
@@ -101,6 +101,7 @@ def main():
     ap.add_argument("kind", choices=KINDS)
     ap.add_argument("--split", action="store_true", help="the split-KV specialization (fp32 partials)")
     ap.add_argument("--flag", action="append", default=[], help="NAME=0|1, a module flag set before compiling")
+    ap.add_argument("--ordered", action="store_true", help="a grid kind's ordered launch (requests through an order)")
     ap.add_argument("--out", default="/tmp/cutedsl_sass")
     ap.add_argument("--ops", default=None, help="write the instruction list (no addresses, no encodings) here")
     a = ap.parse_args()
@@ -108,7 +109,7 @@ def main():
     for f in glob.glob(os.path.join(a.out, "*")):
         os.remove(f)
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=a.out)
-    compile_kernel(a.kind, a.split, a.flag)
+    compile_kernel(a.kind, a.split, a.flag, a.ordered)
     import triton
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     cubin, ptx = (sorted(glob.glob(os.path.join(a.out, f"*.{ext}")))[-1] for ext in ("cubin", "ptx"))

@@ -55,6 +55,9 @@ switches, read at launch (so captured with each graph):
   CUTEDSL_BALANCED_SPLITS  cutedsl: steps of <= $DA_BALANCE_ROWS (default 64) rows a request planned with their host
                     lengths (two splits where they balance a one-wave grid; mla_decode.BALANCE_SPLITS_MAX_ROWS)
                     against from shapes only
+  GRID_ORDER_ALL    cutedsl: every grid of more than one wave (the 16-bit grid, the keys-on-M and FP8-MMA kernels,
+                    split grids) takes its requests longest first against only the 64-row FP8 kernel's unsplit ones
+  BALANCED_ORDERED  cutedsl: CUTEDSL_BALANCED_SPLITS and GRID_ORDER_ALL together against neither
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -131,6 +134,13 @@ def _cutedsl_balance_rows(on: bool):
     """The CuTe DSL plan's host-length splits up to DA_BALANCE_ROWS (default 64) rows a request, against never."""
     cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
     cd.BALANCE_SPLITS_MAX_ROWS = int(os.environ.get("DA_BALANCE_ROWS", "64")) if on else 0
+
+
+def _balanced_ordered(on: bool):
+    """The CuTe DSL plan's host-length splits up to DA_BALANCE_ROWS (default 64) rows with every grid of more than
+    one wave taken longest first (GRID_ORDER_ALL), against neither."""
+    _cutedsl_balance_rows(on)
+    importlib.import_module("mlaserve.kernels.cutedsl.mla_decode").GRID_ORDER_ALL = on
 
 
 def _seesaw_32_rows(on: bool):
@@ -219,6 +229,8 @@ SWITCHES = {
     "SEESAW_SET": ("cutedsl", _seesaw_set),
     "SPEC_EXP": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "SPEC_EXP")),
     "CUTEDSL_BALANCED_SPLITS": ("cutedsl", _cutedsl_balance_rows),
+    "GRID_ORDER_ALL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "GRID_ORDER_ALL")),
+    "BALANCED_ORDERED": ("cutedsl", _balanced_ordered),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

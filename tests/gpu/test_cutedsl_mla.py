@@ -281,6 +281,41 @@ def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("b, h, s_q, fp8, fp8_mma, split", [
+    (128, 16, 1, False, False, True), (128, 32, 1, False, False, True), (128, 64, 1, False, False, True),
+    (128, 16, 1, True, True, True), (128, 16, 1, True, False, True), (128, 32, 1, True, False, True),
+    (128, 64, 1, True, False, True), (200, 16, 1, True, True, False), (200, 16, 2, True, False, False),
+])
+def test_ordered_grids_equal_batch_order(monkeypatch, b, h, s_q, fp8, fp8_mma, split):
+    """mla_decode.GRID_ORDER_ALL: grids of more than one wave (split in two by the host lengths, or more requests
+    than SMs; 16-bit KV takes persistent launches there) take their requests longest first, the order in lse's place
+    (split) or partial out's: the 16-bit grid, the FP8-MMA, keys-on-M (n 16, 32) and 64-row FP8 kernels. Varied lengths (empty and one-token requests among
+    them), NaN-poisoned slots: the reference's tolerances, and the bits of the launch in batch order."""
+    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64 if split else 0)
+    monkeypatch.setattr(cd, "uses_fp8_mma", lambda kv_fp8, rows, max_pages, num_splits:
+                        fp8_mma and kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
+    gen = torch.Generator().manual_seed(b + h + s_q)
+    lens = [(0, 1, 64, 65)[i] if i < 4 else int(x) for i, x in
+            enumerate(4096 + (torch.rand(b, generator=gen) * 2 - 1) * 2048)]
+    if fp8:
+        q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
+        ref = (check.fp8_exact_reference if fp8_mma else check.fp8_reference)(q, kv, table, seqlens)
+    else:
+        q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + h)
+        ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
+    plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, fp8, q.device, seqlens=lens)
+    assert plan.num_splits == (2 if split else 1)
+    tiles = 1 if fp8 and cd.fp8_narrow_cols(s_q * h) else -(-s_q * h // 64)
+    assert cd.grid_order(seqlens, b * tiles, plan.num_splits) is not None, "the case must run ordered"
+    monkeypatch.setattr(cd, "GRID_ORDER_ALL", True)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
+    ok, max_err, why = check.compare(out, lse, *ref)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    monkeypatch.setattr(cd, "GRID_ORDER_ALL", False)
+    out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
 @pytest.mark.parametrize("b, s_q, h, num_splits", [(8, 1, 128, 1), (5, 1, 80, 1), (4, 1, 128, 4), (3, 1, 80, 3)])
 def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h, num_splits):
     """The 64-row FP8 kernel's 16-byte stores (of O or the fp32 split partials): the same bits as its

@@ -84,16 +84,16 @@ def _check_fp8(q_dtype: torch.dtype, kv_shape) -> None:
                          f"{fp8_format.PACKED_BYTES}] (page size {PAGE_SIZE}), got shape {tuple(kv_shape)}")
 
 
-def _fp8_pointers(addresses, ordered: bool = False) -> list:
+def _fp8_pointers(addresses, ordered: bool = False, split: bool = False) -> list:
     """The FP8 kernel's 9 pointers (q, kv as int32 words, k_pe as bf16 from byte 528, block_table, seqlens,
     out, lse, partial out, partial lse) from the tensors' 8 addresses (None: stand-ins for compiling).
     The k_pe pointer is kv + 528, still 16-byte aligned (TMA needs it). Ordered launches pass the requests'
-    int32 order in partial out's place."""
+    int32 order in partial out's place (unsplit) or lse's (split)."""
     cutlass = importlib.import_module("cutlass")
     q, kv, *rest = [COMPILE_ADDRESS if a is None else a for a in addresses]
     kinds = ((cutlass.BFloat16, 16), (cutlass.Int32, 16), (cutlass.BFloat16, 16), (cutlass.Int32, 4),
-             (cutlass.Int32, 4), (cutlass.BFloat16, 16), (cutlass.Float32, 4),
-             (cutlass.Int32, 4) if ordered else (cutlass.Float32, 4), (cutlass.Float32, 4))
+             (cutlass.Int32, 4), (cutlass.BFloat16, 16), (cutlass.Int32 if ordered and split else cutlass.Float32, 4),
+             (cutlass.Int32, 4) if ordered and not split else (cutlass.Float32, 4), (cutlass.Float32, 4))
     return gmem_pointers(kinds, (q, kv, kv + fp8_format.ROPE_OFFSET, *rest))
 
 
@@ -191,6 +191,11 @@ PERSISTENT = True
 # persistent launches, and FP8 grids of more than one wave, take requests longest first (False: in batch order;
 # for A/B runs)
 LONGEST_FIRST = True
+# LONGEST_FIRST for the grids of the other kernels too (the 16-bit grid, the keys-on-M FP8 and FP8-MMA kernels) and
+# for split grids (the order rides in lse's place there): where a grid runs more than one wave, as the host-length
+# splits' two a request do (BALANCE_SPLITS_MAX_ROWS), its requests longest first. Off until measured (decode_ab
+# GRID_ORDER_ALL)
+GRID_ORDER_ALL = False
 # persistent ticket launches of at most RANK_ORDER_MAX_B requests rank them by length in the kernel (each CTA, before
 # its first load) instead of in a kernel launch of their own before it (work_order.longest_first: ~5 us a call on the
 # H200 under ncu, besides its launch). Interleaved on the H200, kernel / order kernel: b 128 h 128 s_k 4096 s_q 1 / 2
@@ -346,7 +351,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
-    `ordered` (the 64-row FP8 kernel, unsplit): the grid's request axis through an order of the requests.
+    `ordered` (grid launches): the grid's request axis through an order of the requests.
     `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
@@ -389,46 +394,52 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
             fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD,
-                                                          vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL),
-                              *_fp8_pointers((None,) * 8), *scalars)
+                                                          vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL,
+                                                          ordered=ordered),
+                              *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
             tiles = 2 if narrow == 16 or FP8_N32_TWO_TILES else 1
             fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow, tiles=tiles,
-                                                          bt_ahead=BT_AHEAD),
-                              *_fp8_pointers((None,) * 8), *scalars)
+                                                          bt_ahead=BT_AHEAD, ordered=ordered),
+                              *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
             fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16),
-                              *_fp8_pointers((None,) * 8, ordered), *scalars)
+                              *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
             fn = cute.compile(kmod.MLADecodeSm90(cute_dtype(dtype), causal=causal, is_split=split, cluster=cluster,
                                                  persistent=persistent, trace=trace, store16=store16,
                                                  streamk=streamk, early_sums=early_sums, rank_order=rank_order,
-                                                 **seesaw),
-                              *_pointers(dtype, (None,) * 8, persistent, streamk), *scalars)
+                                                 ordered=ordered, **seesaw),
+                              *_pointers(dtype, (None,) * 8, persistent, streamk, ordered, split), *scalars)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
 
 
-def _pointers(dtype: torch.dtype, addresses, persistent: bool = False, streamk: bool = False) -> list:
+def _pointers(dtype: torch.dtype, addresses, persistent: bool = False, streamk: bool = False, ordered: bool = False,
+              split: bool = False) -> list:
     """Global-memory pointers for the kernel's 8 tensor arguments (q, kv, block_table, seqlens, out, lse,
     partial out, partial lse) from their addresses (None: a stand-in for compiling). q, kv and out are
     16-byte aligned (TMA needs it; mla_decode checks q and kv), partial out 8-byte (the epilogue stores
     fp32 pairs; mla_decode checks it), the rest 4-byte. Persistent launches pass the scheduler's int32
     counters in partial out's place and the requests' int32 order in partial lse's; stream-K launches the
-    pieces' fp32 partials (16-byte aligned) and the int32 schedule."""
+    pieces' fp32 partials (16-byte aligned) and the int32 schedule; ordered grids the requests' int32 order in
+    partial out's place (unsplit) or lse's (split)."""
     cutlass = importlib.import_module("cutlass")
     elem = cute_dtype(dtype)
     if streamk:
         tail = ((cutlass.Float32, 16), (cutlass.Int32, 4))
     elif persistent:
         tail = ((cutlass.Int32, 4), (cutlass.Int32, 4))
+    elif ordered and not split:
+        tail = ((cutlass.Int32, 4), (cutlass.Float32, 4))
     else:
         tail = ((cutlass.Float32, 8), (cutlass.Float32, 4))
-    kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16), (cutlass.Float32, 4), *tail)
+    lse_kind = (cutlass.Int32 if ordered and split else cutlass.Float32, 4)
+    kinds = ((elem, 16), (elem, 16), (cutlass.Int32, 4), (cutlass.Int32, 4), (elem, 16), lse_kind, *tail)
     return gmem_pointers(kinds, addresses)
 
 
@@ -498,21 +509,22 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
                   else torch.arange(b, dtype=torch.int32, device=q.device))
     narrow = fp8_narrow_cols(s_q * h) if kv_fp8 else 0
     order = None
-    if kv_fp8 and not narrow and LONGEST_FIRST and not split:    # the order rides in po's slot: unsplit steps only
-        order = grid_order(cache_seqlens, b * triton.cdiv(s_q * h, TILE_M), plan.num_splits)
-        if order is not None:
-            po = order
+    if LONGEST_FIRST and not clusters and (GRID_ORDER_ALL or kv_fp8 and not narrow and not split):
+        # a grid of more than one wave: its requests longest first (the order in po's place, or lse's split)
+        order = grid_order(cache_seqlens, b * (1 if narrow else triton.cdiv(s_q * h, TILE_M)), plan.num_splits)
     if po.data_ptr() % 8:
         raise ValueError(f"the plan's partial_out must start on an 8-byte boundary, got address {po.data_ptr():#x}")
     cutlass = importlib.import_module("cutlass")
     cuda = importlib.import_module("cuda.bindings.driver")
-    addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse, po, pl)]
+    lse_slot = order if order is not None and split else lse
+    po_slot = order if order is not None and not split else po
+    addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse_slot, po_slot, pl)]
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
                  uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits))
-    fn(*(_fp8_pointers(addresses, order is not None) if kv_fp8
-         else _pointers(q.dtype, addresses, bool(clusters), streamk)),
+    fn(*(_fp8_pointers(addresses, order is not None, split) if kv_fp8
+         else _pointers(q.dtype, addresses, bool(clusters), streamk, order is not None, split)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
        cutlass.Int32(block_table.shape[1]), cutlass.Int32(grid_y), cutlass.Float32(softmax_scale * _LOG2E),
        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))

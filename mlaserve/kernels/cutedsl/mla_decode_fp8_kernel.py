@@ -59,7 +59,8 @@ from cutlass.cute.nvgpu import cpasync
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
-from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
+from mlaserve.kernels.cutedsl.mla_decode_kernel import (
+    first_masked_key, ordered_tensors, page_split, visible_keys)
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas, store_dense_block,
     store_dense_lse)
@@ -83,10 +84,8 @@ class MLADecodeFP8Sm90:
         self.is_split = is_split
         self.store16 = store16    # whole 64-row blocks (O or split partials) stored 16 bytes at a time
         # the grid's request axis runs through an int32 order (work_order.grid_order: longest first), passed in
-        # partial out's place (unsplit steps only)
+        # partial out's place (unsplit) or lse's (split; mla_decode_kernel.ordered_tensors)
         self.ordered = ordered
-        if ordered and is_split:
-            raise ValueError("ordered launches are for unsplit decode steps")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -97,14 +96,14 @@ class MLADecodeFP8Sm90:
         cache as bf16 from byte 528 (k_pe, row stride 328 elements); bt int32 [b, max_pages]; seqlens int32
         [b]; out bf16 [b, s_q * h, 512], lse fp32 [b, s_q * h]; partials (split only) fp32
         [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]. Ordered launches pass the requests' int32
-        order [b] in partial out's place."""
+        order [b] in partial out's place (unsplit) or lse's (split)."""
         rows = s_q * h
         (mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout), \
             (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma) = fp8_host_setup(
                 TILE_M, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q,
                 h, num_pages, max_pages, num_splits)
         if const_expr(self.ordered):
-            mPO = cute.make_tensor(po_ptr, cute.make_layout(batch))
+            mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
         sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
 
         tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
@@ -125,7 +124,9 @@ class MLADecodeFP8Sm90:
                sRaw_layout: cute.Layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, split, batch = cute.arch.block_idx()
-        if const_expr(self.ordered):
+        if const_expr(self.ordered and self.is_split):
+            batch = mLse[batch]
+        elif const_expr(self.ordered):
             batch = mPO[batch]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)

@@ -47,7 +47,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, ROPE_ELEMS, ROW_WORDS, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
-from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
+from mlaserve.kernels.cutedsl.mla_decode_kernel import (
+    first_masked_key, ordered_tensors, page_split, visible_keys)
 
 N = 16                # query rows a CTA
 NH = 2 * N            # hi and lo parts on wgmma's N
@@ -74,13 +75,14 @@ class MLADecodeFP8MmaSm90:
     of MLADecodeFP8Sm90 (s_q * h <= 16)."""
 
     def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True, vec_io: bool = True,
-                 early_refill: bool = False):
+                 early_refill: bool = False, ordered: bool = False):
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
         self.bt_ahead = bt_ahead
         self.vec_io = vec_io
         self.early_refill = early_refill
+        self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -98,6 +100,8 @@ class MLADecodeFP8MmaSm90:
         mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
         mBT, mSeqlens, mOut, mLse, mPO, mPL = fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
                                                              batch, rows, max_pages, num_splits)
+        if const_expr(self.ordered):
+            mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
 
         atom8 = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, D_V), f8)
@@ -157,6 +161,10 @@ class MLADecodeFP8MmaSm90:
                tiled_mma_qk: cute.TiledMma, tiled_mma_pe: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         _, split, batch = cute.arch.block_idx()
+        if const_expr(self.ordered and self.is_split):
+            batch = mLse[batch]
+        elif const_expr(self.ordered):
+            batch = mPO[batch]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         c = warp_idx // WARPS

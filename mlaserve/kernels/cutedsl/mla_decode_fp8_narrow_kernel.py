@@ -61,7 +61,8 @@ from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, store_lse, take_column_max)
-from mlaserve.kernels.cutedsl.mla_decode_kernel import first_masked_key, page_split, visible_keys
+from mlaserve.kernels.cutedsl.mla_decode_kernel import (
+    first_masked_key, ordered_tensors, page_split, visible_keys)
 
 THREADS = 256
 CONSUMER_THREADS = 128
@@ -86,7 +87,8 @@ class MLADecodeFP8NarrowSm90:
     one: k_pe travels in the raw stage); q, out bf16. Launched by mla_decode.py through `__call__`, with the
     arguments of MLADecodeFP8Sm90."""
 
-    def __init__(self, causal: bool, is_split: bool, n: int, tiles: int, bt_ahead: bool = True):
+    def __init__(self, causal: bool, is_split: bool, n: int, tiles: int, bt_ahead: bool = True,
+                 ordered: bool = False):
         assert n in (16, 32) and tiles in (1, 2)
         self.dtype = cutlass.BFloat16
         self.causal = causal
@@ -97,6 +99,7 @@ class MLADecodeFP8NarrowSm90:
         self.release_every = 1 if self.raw_pe else RELEASE_EVERY
         self.raw_stages = raw_stages(n, self.tiles)
         self.bt_ahead = bt_ahead
+        self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -110,6 +113,8 @@ class MLADecodeFP8NarrowSm90:
             (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma) = fp8_host_setup(
                 n, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q, h,
                 num_pages, max_pages, num_splits, self.raw_stages)
+        if const_expr(self.ordered):
+            mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
         sPt_layout = cute.tile_to_shape(atom, (n, TILE_N), order=(0, 1))     # P^T [n, 64 keys], K-major
         # the bf16 tiles side by side; k_pe in the raw stages, or in one buffer of its own (the consumer loads
         # page t + 1's once S of page t is done)
@@ -152,6 +157,10 @@ class MLADecodeFP8NarrowSm90:
         n = self.n
         tidx, _, _ = cute.arch.thread_idx()
         _, split, batch = cute.arch.block_idx()
+        if const_expr(self.ordered and self.is_split):
+            batch = mLse[batch]
+        elif const_expr(self.ordered):
+            batch = mPO[batch]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:

@@ -128,6 +128,17 @@ def visible_keys(seqlen: Int32, s_q: Int32, h: Int32, row: Int32, causal: bool) 
     return cutlass.min(v, seqlen)
 
 
+def ordered_tensors(mLse: cute.Tensor, mPO: cute.Tensor, lse_ptr: cute.Pointer, po_ptr: cute.Pointer, batch: Int32,
+                    is_split: bool) -> tuple:
+    """Ordered grid launches (work_order.grid_order: requests longest first): the int32 order [b] of the grid's
+    request axis rides in lse's place in split launches (they write partial lse only) and in partial out's in
+    unsplit ones (no partials) -> (mLse, mPO) with that one the order. The kernel reads its request as
+    order[block z]."""
+    if is_split:
+        return cute.make_tensor(lse_ptr, cute.make_layout(batch)), mPO
+    return mLse, cute.make_tensor(po_ptr, cute.make_layout(batch))
+
+
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
     """The smallest number of keys any row sees (tiles that end before it need no mask)."""
     return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
@@ -140,7 +151,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 tree_max: bool = False, spec_exp: bool = False):
+                 tree_max: bool = False, spec_exp: bool = False, ordered: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -180,6 +191,10 @@ class MLADecodeSm90:
         self.spec_exp = spec_exp
         if spec_exp and not (lazy_rescale and fold_scale):
             raise ValueError("spec_exp takes lazy_rescale and fold_scale")
+        # grid launches: the request axis through an int32 order (ordered_tensors)
+        self.ordered = ordered
+        if ordered and persistent:
+            raise ValueError("ordered is an order of a grid launch's requests (persistent launches have their own)")
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, bt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
@@ -223,6 +238,8 @@ class MLADecodeSm90:
         else:
             mPL = cute.make_tensor(pl_ptr, cute.make_layout((batch, num_splits, rows),
                                                             stride=(num_splits * rows, rows, 1)))
+        if const_expr(self.ordered):
+            mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
 
         # -- smem layouts: every operand K-major with the 128-byte swizzle (64 16-bit values per row) --
         atom = warpgroup.make_smem_layout_atom(
@@ -300,6 +317,10 @@ class MLADecodeSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, bz = cute.arch.block_idx()
         m_block, split, batch = bx, by, bz
+        if const_expr(self.ordered and self.is_split):
+            batch = mLse[bz]
+        elif const_expr(self.ordered):
+            batch = mPO[bz]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
