@@ -41,7 +41,7 @@ def test_split_count_fills_one_wave(b, s_q, h, max_pages, want):
 
 
 def test_host_lengths_split_one_wave_of_few_rows(monkeypatch):
-    """With the step's host lengths, requests of <= mla_decode.BALANCE_SPLITS_MAX_ROWS rows (16 by default; 64 at
+    """With the step's host lengths, requests of <= mla_decode.BALANCE_SPLITS_MAX_ROWS rows (64 by default, and at
     most) that vary enough are split in two (triton's balanced_splits estimate, as on an H200's 132 SMs); fixed
     lengths, more rows, 128-row requests and steps without lengths keep the count from shapes; plan_mla_decode
     takes it."""
@@ -53,14 +53,16 @@ def test_host_lengths_split_one_wave_of_few_rows(monkeypatch):
     def splits(h, seqlens, s_q=1):
         return cd.plan_num_splits(128, s_q, h, pages, 64, False, CPU, seqlens=seqlens)
 
-    assert cd.BALANCE_SPLITS_MAX_ROWS == 16
+    assert cd.BALANCE_SPLITS_MAX_ROWS == 64
+    assert splits(16, var) == 2 and splits(32, var, s_q=2) == 2 and splits(64, var) == 2
+    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 16)
     assert splits(16, var) == 2 and splits(8, var, s_q=2) == 2
     assert splits(32, var) == 1 == splits(64, var) == splits(16, var, s_q=2), "more rows than the bound"
     monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 0)
     assert splits(16, var) == 1
     monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 128)
-    assert splits(32, var, s_q=2) == 2 and splits(64, var) == 2
     assert cd.plan_mla_decode(128, 1, 16, 512, pages, 64, False, CPU, seqlens=var).num_splits == 2
+    assert splits(64, var) == 2
     assert splits(16, [8192] * 128) == 1, "fixed lengths"
     assert splits(128, var) == 1 and splits(64, var, s_q=2) == 1, "two row tiles a request: persistent"
     assert splits(16, None) == 1

@@ -129,10 +129,10 @@ def choose_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, 
 # no stream-K), and the longest request sets the step. With the step's host lengths, two KV splits a request where
 # triton's estimate says the halves balance the SMs (mla_decode_plan.balanced_splits, bench/NOTES.md 86: 1.10-1.46x
 # for triton's kernels, whose split grids also take the requests longest first; these kernels' split grids run in
-# request order), for requests of at most BALANCE_SPLITS_MAX_ROWS rows (0: never). On the H200 (NOTES 104; decode_ab
-# CUTEDSL_BALANCED_SPLITS, lengths 8192 +- 50%): h16 1.035x bf16, 1.054x FP8; h64 1.003x, FP8 1.012x; h32 FP8 32k
-# 0.986x; hence 16
-BALANCE_SPLITS_MAX_ROWS = 16
+# request order unless GRID_ORDER_ALL), for requests of at most BALANCE_SPLITS_MAX_ROWS rows (0: never). On the H200
+# (bench/NOTES.md 104-105; decode_ab, b128, lengths 8192 +- 50%): in request order h16 1.035x bf16, 1.054x FP8, h64
+# 1.003x, FP8 1.012x, h32 FP8 32k 0.986x; taken longest first (GRID_ORDER_ALL) 1.24-1.34x at h16-h64, bf16 and FP8
+BALANCE_SPLITS_MAX_ROWS = 64
 
 
 def plan_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
@@ -193,9 +193,9 @@ PERSISTENT = True
 LONGEST_FIRST = True
 # LONGEST_FIRST for the grids of the other kernels too (the 16-bit grid, the keys-on-M FP8 and FP8-MMA kernels) and
 # for split grids (the order rides in lse's place there): where a grid runs more than one wave, as the host-length
-# splits' two a request do (BALANCE_SPLITS_MAX_ROWS), its requests longest first. Off until measured (decode_ab
-# GRID_ORDER_ALL)
-GRID_ORDER_ALL = False
+# splits' two a request do (BALANCE_SPLITS_MAX_ROWS), its requests longest first. On the H200 (bench/NOTES.md 105;
+# decode_ab GRID_ORDER_ALL, b128 lengths 8192 +- 50% split in two): h16 bf16 1.199x, FP8 1.225x (32k: 1.238x)
+GRID_ORDER_ALL = True
 # persistent ticket launches of at most RANK_ORDER_MAX_B requests rank them by length in the kernel (each CTA, before
 # its first load) instead of in a kernel launch of their own before it (work_order.longest_first: ~5 us a call on the
 # H200 under ncu, besides its launch). Interleaved on the H200, kernel / order kernel: b 128 h 128 s_k 4096 s_q 1 / 2
