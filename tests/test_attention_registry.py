@@ -7,7 +7,6 @@ from mlaserve.attention import registry
 from mlaserve.attention.auto_backend import AutoBackend
 from mlaserve.attention.base import AttentionBackend, BackendConfig
 from mlaserve.attention.batch import BatchLayout, ForwardMode
-from mlaserve.attention.triton_backend import TritonBackend
 from mlaserve.engine.config import EngineConfig
 
 
@@ -33,10 +32,6 @@ class _Fake(AttentionBackend):
 
     def plan(self, layout):
         return f"{self.name}-plan"
-
-    def splits_for_balance(self, layout):
-        """A triton peer's answer for the auto rules that follow it (`varied`): the real planner's."""
-        return TritonBackend.splits_for_balance(self, layout)
 
     def mla(self, q, kv_cache, layout, meta, softmax_scale, head_dim_v):
         return (self.name, meta)
@@ -102,11 +97,12 @@ def test_auto_primary_and_decode_peers_are_those_that_run_here(monkeypatch, runn
 
 def test_auto_with_cutedsl_primary_keeps_fp8_steps():
     """Over the FP8 cache the CuTe DSL's kernels keep the decode steps (its FP8-MMA kernel is ahead of Triton's at
-    <= 16 rows) but those of varied lengths (the next test); over 16-bit caches Triton takes those steps."""
+    <= 16 rows, and both balance varied lengths alike: the next test); over 16-bit caches Triton takes the steps of
+    <= 16 rows."""
     fp8 = BackendConfig(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                         kv_cache_dtype="fp8_e4m3", device=torch.device("cpu"))
     auto = AutoBackend(fp8, _Fake(fp8, "cutedsl_mla"), (_Fake(fp8, "triton"),))
-    assert [p.name for p in auto.decode_peers] == ["triton"]     # for steps of varied lengths only
+    assert auto.decode_peers == ()
     layout = BatchLayout.build([4] * 8, [1] * 8, [[1]] * 8, 64, "cpu")
     assert auto.mla(None, None, layout, auto.plan(layout), 0.1, 512)[0] == "cutedsl_mla"
     bf16 = _cfg(16)
@@ -135,18 +131,20 @@ def test_auto_with_cutedsl_primary_gives_peers_their_decode_steps(heads, s_q, ba
 
 
 @pytest.mark.parametrize("heads,kv,lengths,want", [
-    (32, "auto", "varied", "triton"),          # 17-64 rows, variable lengths: Triton's balanced splits
-    (64, "auto", "varied", "triton"),
-    (32, "fp8_e4m3", "varied", "triton"),
-    (16, "fp8_e4m3", "varied", "triton"),
+    (32, "auto", "varied", "cutedsl_mla"),      # 17-64 rows, variable lengths: both split them, the CuTe DSL keeps
+    (64, "auto", "varied", "cutedsl_mla"),
+    (32, "fp8_e4m3", "varied", "cutedsl_mla"),
+    (16, "fp8_e4m3", "varied", "cutedsl_mla"),
     (32, "auto", "fixed", "cutedsl_mla"),       # fixed lengths: the CuTe DSL kernel keeps them
     (16, "fp8_e4m3", "fixed", "cutedsl_mla"),
-    (16, "auto", "fixed", "triton"),            # <= 16 rows over 16-bit caches: Triton's anyway
-    (128, "auto", "varied", "cutedsl_mla"),     # two 64-row programs a request: nothing to balance
+    (16, "auto", "fixed", "triton"),            # <= 16 rows over 16-bit caches: Triton's, whatever the lengths
+    (16, "auto", "varied", "triton"),
+    (128, "auto", "varied", "cutedsl_mla"),
 ])
-def test_auto_gives_triton_the_varied_decode_steps_of_a_cutedsl_primary(monkeypatch, heads, kv, lengths, want):
-    """With a CuTe DSL primary, Triton takes the DECODE steps of <= 64 rows whose host lengths vary enough for its
-    planner to split them (mla_decode_plan.balanced_splits; planning as on an H200's 132 SMs)."""
+def test_auto_keeps_the_varied_decode_steps_with_a_cutedsl_primary(monkeypatch, heads, kv, lengths, want):
+    """With a CuTe DSL primary, the DECODE steps whose host lengths vary enough for the planners to split them
+    (balanced_splits; planning as on an H200's 132 SMs) stay with the CuTe DSL, which splits and orders them as
+    Triton does (bench/NOTES.md 105); Triton keeps only the steps of <= 16 rows over 16-bit caches."""
     from mlaserve.kernels.triton import mla_decode_plan
     monkeypatch.setattr(mla_decode_plan, "_is_hopper", lambda device: True)
     monkeypatch.setattr(mla_decode_plan, "_num_sms", lambda device: 132)

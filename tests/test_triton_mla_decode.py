@@ -378,10 +378,8 @@ def test_host_lengths_split_variable_batches_of_one_wave(h200_planning):
     assert splits(128, 16, one_long) == 2
     assert p.plan_num_splits(128, 1, 16, 256, 64, False, cpu, one_long) == 2, "the count without a workspace"
     assert p.plan_num_splits(128, 1, 16, 256, 64, False, cpu) == 1
-    assert p.splits_for_balance(128, 1, 16, 256, 64, False, cpu, one_long)
     small = lens(4, 32768, 0.5)
     small_pages = -(-max(small) // 64)
-    assert not p.splits_for_balance(4, 1, 16, small_pages, 64, False, cpu, small), "split by shapes already"
     assert splits(128, 16, lens(128, 1024, 0.5)) == 1, "mean under BALANCE_MIN_PAGES: unmeasured, no balancing"
     assert splits(4, 16, small) == plan_mla_decode(4, 1, 16, 512, small_pages, 64, False, cpu).num_splits > 2
     assert plan_mla_decode(128, 1, 16, 512, 192, 64, False, cpu).num_splits == 1, "without lengths: shapes only"

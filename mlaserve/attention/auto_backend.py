@@ -27,13 +27,12 @@ h200-20261130-266e5ce-cutedsl.json, h200-20261130-a395c1d-cutedsl.json, h200-202
   CuTe DSL kernel would take the steps from 17 rows. With variable lengths (uniform in [s/2,
   3s/2]) and Triton's grids taking requests longest first, Triton is ahead at 64-256 rows (1.08-1.31x): the rule
   follows the fixed-length shapes;
-- with variable lengths at <= 64 rows, Triton's kernels split in two where the step's host lengths leave SMs
-  idle (mla_decode_plan.balanced_splits, bench/NOTES.md 86) and run 1.12-1.40x faster than the CuTe DSL's, which
-  does not split there (FP8 h 16 s_k 4096: 1.01x; both in one run: h200-20261201-99ba9c2-dense-var-cutedsl-
-  triton.json); from 128 rows the CuTe DSL stays ahead (0.89-0.97x Triton's time; 1.00-1.07x at s_q 2 h 64
-  s_k 4k/8k and h 128 4k).
-  Triton takes those steps from a CuTe DSL primary (`varied` rules); the CuTe DSL keeps them at fixed lengths
-  (0.91-0.98x Triton's time at 17-64 rows).
+- with variable lengths at <= 64 rows, both backends' kernels split in two where the step's host lengths leave
+  SMs idle (mla_decode_plan.balanced_splits, bench/NOTES.md 86, 104-105) and take the halves longest first:
+  Triton's time / the CuTe DSL's 0.97-1.22x (b 128, h 16-64, s_q 1-2, s_k 4k-32k, bf16 and FP8; 0.97-0.98x only
+  at FP8 h 32 s_q 1 4k/8k and FP8 h 16 s_q 2 4k/8k; h200-20261201-240a4d9-dense-var-cutedsl-triton-
+  flashinfer.json), so the CuTe DSL keeps them (before 240a4d9 its grids ran in request order, unsplit, at
+  0.75-0.93x Triton's speed, and Triton took those steps); from 128 rows the CuTe DSL stays ahead.
 Peers have no DSA kernels; FlashInfer has no FP8 path here: EXTEND steps and DSA layers stay with the primary.
 """
 from dataclasses import dataclass
@@ -46,13 +45,11 @@ from mlaserve.attention.batch import BatchLayout, ForwardMode
 class DecodeRule:
     """The DECODE steps a peer takes from a primary: those with `min_rows` .. `max_rows` query rows (heads x new
     tokens) per request and at most `max_batch` requests (None: no bound), over caches of `kv` ("16bit" or "fp8";
-    None: either); `varied`: only steps whose lengths vary enough that the peer (triton) splits its kernel to
-    balance them (TritonBackend.splits_for_balance)."""
+    None: either)."""
     min_rows: int
     max_batch: int | None = None
     max_rows: int | None = None
     kv: str | None = None
-    varied: bool = False
 
     def applies_to(self, config: BackendConfig) -> bool:
         return self.kv is None or self.kv == ("fp8" if config.kv_cache_dtype == "fp8_e4m3" else "16bit")
@@ -65,8 +62,7 @@ class DecodeRule:
 # primary name -> {peer name: its rules (a step is the peer's if any rule takes it)}, from the measurements in the
 # module docstring
 DECODE_RULES: dict[str, dict[str, tuple[DecodeRule, ...]]] = {
-    "cutedsl_mla": {"triton": (DecodeRule(min_rows=1, max_rows=16, kv="16bit"),
-                               DecodeRule(min_rows=1, max_rows=64, varied=True))},
+    "cutedsl_mla": {"triton": (DecodeRule(min_rows=1, max_rows=16, kv="16bit"),)},
     "triton": {"flashinfer": (DecodeRule(min_rows=65),), "cutedsl_mla": (DecodeRule(min_rows=17),)},
 }
 
@@ -95,7 +91,7 @@ class AutoBackend(AttentionBackend):
         if layout.mode is ForwardMode.DECODE:
             rows = self.config.num_heads * max(layout.extend_lens, default=1)
             for peer, rule in self._rules:
-                if rule.takes(rows, layout.batch_size) and (not rule.varied or peer.splits_for_balance(layout)):
+                if rule.takes(rows, layout.batch_size):
                     return peer
         return self.primary
 

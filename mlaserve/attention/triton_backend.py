@@ -99,17 +99,6 @@ class TritonBackend(AttentionBackend):
             self.config.kv_cache_dtype == "fp8_e4m3", self.config.device, workspace=workspace,
             seqlens=host_seqlens)
 
-    def splits_for_balance(self, layout: BatchLayout) -> bool:
-        """Whether this DECODE step's kernel is split only to balance the requests' varied lengths
-        (mla_decode_plan.balanced_splits)."""
-        from mlaserve.kernels.triton import mla_decode_plan
-        if layout.mode is not ForwardMode.DECODE:
-            return False
-        return mla_decode_plan.splits_for_balance(
-            layout.batch_size, max(layout.extend_lens, default=1), self.config.num_heads,
-            layout.block_table.shape[1], layout.page_size, self.config.kv_cache_dtype == "fp8_e4m3",
-            self.config.device, layout.seq_lens)
-
     def plan(self, layout: BatchLayout) -> TritonMeta:
         s_q, block_table, seqlens = self._rows(layout)
         # per-request rows: the step's lengths on the host let the kernel's splits balance them (a plan made here

@@ -219,22 +219,14 @@ def balanced_splits(programs_per_request: int, sms: int, pages: Sequence[int]) -
 @functools.lru_cache(maxsize=16)
 def _balanced_splits(programs_per_request: int, sms: int, pages: tuple[int, ...], on: bool, item_pages: int,
                      split_cost: float, min_gain: float, min_pages: int) -> int:
-    """balanced_splits with its module constants as arguments, cached: a step's choice and plan ask it twice
-    (AutoBackend.choose through splits_for_balance, then plan_mla_decode), and the requests' pages stay the same
-    over the 64 decode steps a page lasts (the estimate is ~0.1 ms of Python at b 128)."""
+    """balanced_splits with its module constants as arguments, cached: the requests' pages stay the same over the
+    64 decode steps a page lasts (the estimate is ~0.1 ms of Python at b 128)."""
     b = len(pages)
     if not on or b * programs_per_request > sms or sum(pages) < min_pages * b:
         return 1
     whole = lpt_makespan([p + item_pages for p in pages for _ in range(programs_per_request)], sms)
     halves = [-(-p // 2) + item_pages for p in pages for _ in range(2 * programs_per_request)]
     return 2 if lpt_makespan(halves, sms) * split_cost * min_gain < whole else 1
-
-
-def splits_for_balance(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
-                       device: torch.device | str, seqlens: Sequence[int]) -> bool:
-    """Whether plan_mla_decode splits this step only to balance its host lengths (shapes alone give one split)."""
-    shape = (b, s_q, h, max_pages, page_size, kv_fp8, device)
-    return plan_num_splits(*shape, seqlens=seqlens) > plan_num_splits(*shape)
 
 
 def plan_num_splits(b: int, s_q: int, h: int, max_pages: int, page_size: int, kv_fp8: bool,
