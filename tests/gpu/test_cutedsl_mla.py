@@ -261,9 +261,10 @@ def test_speculative_p_matches_reference(monkeypatch, b, s_q, h, num_splits, min
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
                                          (64, 1, True)])
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
-    """mla_decode.BALANCE_SPLITS_MAX_ROWS (64 here): a one-wave step of <= 64-row requests of varied lengths (4096 +- 50%), planned
-    with its host lengths, runs as two splits a request (the 16-bit kernels, the FP8-MMA and keys-on-M FP8
-    kernels and the 64-row FP8 kernel, split), NaN-poisoned unused slots: within the reference's tolerances."""
+    """mla_decode.BALANCE_SPLITS_MAX_ROWS (64 here): a one-wave step of <= 64-row requests of varied lengths
+    (4096 +- 50%), planned with its host lengths, runs as two splits a request (the 16-bit kernels, the FP8-MMA and
+    keys-on-M FP8 kernels and the 64-row FP8 kernel, split), NaN-poisoned unused slots: within the reference's
+    tolerances."""
     monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64)
     b = min(128, torch.cuda.get_device_properties(0).multi_processor_count)
     gen = torch.Generator().manual_seed(h + s_q + fp8)
@@ -289,8 +290,9 @@ def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
 def test_ordered_grids_equal_batch_order(monkeypatch, b, h, s_q, fp8, fp8_mma, split):
     """mla_decode.GRID_ORDER_ALL: grids of more than one wave (split in two by the host lengths, or more requests
     than SMs; 16-bit KV takes persistent launches there) take their requests longest first, the order in lse's place
-    (split) or partial out's: the 16-bit grid, the FP8-MMA, keys-on-M (n 16, 32) and 64-row FP8 kernels. Varied lengths (empty and one-token requests among
-    them), NaN-poisoned slots: the reference's tolerances, and the bits of the launch in batch order."""
+    (split) or partial out's: the 16-bit grid, the FP8-MMA, keys-on-M (n 16, 32) and 64-row FP8 kernels. Varied
+    lengths (empty and one-token requests among them), NaN-poisoned slots: the reference's tolerances, and the bits
+    of the launch in batch order."""
     monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64 if split else 0)
     monkeypatch.setattr(cd, "uses_fp8_mma", lambda kv_fp8, rows, max_pages, num_splits:
                         fp8_mma and kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
