@@ -60,7 +60,7 @@ from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
-    first_masked_key, ordered_tensors, page_split, visible_keys)
+    first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas, store_dense_block,
     store_dense_lse)
@@ -124,10 +124,7 @@ class MLADecodeFP8Sm90:
                sRaw_layout: cute.Layout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, split, batch = cute.arch.block_idx()
-        if const_expr(self.ordered and self.is_split):
-            batch = mLse[batch]
-        elif const_expr(self.ordered):
-            batch = mPO[batch]
+        batch = grid_request(batch, mLse, mPO, self.ordered, self.is_split)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:

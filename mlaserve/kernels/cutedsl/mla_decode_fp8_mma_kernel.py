@@ -48,7 +48,7 @@ from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, ROPE_ELEMS, ROW_
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
-    first_masked_key, ordered_tensors, page_split, visible_keys)
+    first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 
 N = 16                # query rows a CTA
 NH = 2 * N            # hi and lo parts on wgmma's N
@@ -161,10 +161,7 @@ class MLADecodeFP8MmaSm90:
                tiled_mma_qk: cute.TiledMma, tiled_mma_pe: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         _, split, batch = cute.arch.block_idx()
-        if const_expr(self.ordered and self.is_split):
-            batch = mLse[batch]
-        elif const_expr(self.ordered):
-            batch = mPO[batch]
+        batch = grid_request(batch, mLse, mPO, self.ordered, self.is_split)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         c = warp_idx // WARPS

@@ -62,7 +62,7 @@ from mlaserve.kernels.cutedsl.fp8_pages import (
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
-    first_masked_key, ordered_tensors, page_split, visible_keys)
+    first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 
 THREADS = 256
 CONSUMER_THREADS = 128
@@ -157,10 +157,7 @@ class MLADecodeFP8NarrowSm90:
         n = self.n
         tidx, _, _ = cute.arch.thread_idx()
         _, split, batch = cute.arch.block_idx()
-        if const_expr(self.ordered and self.is_split):
-            batch = mLse[batch]
-        elif const_expr(self.ordered):
-            batch = mPO[batch]
+        batch = grid_request(batch, mLse, mPO, self.ordered, self.is_split)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:

@@ -139,6 +139,13 @@ def ordered_tensors(mLse: cute.Tensor, mPO: cute.Tensor, lse_ptr: cute.Pointer, 
     return mLse, cute.make_tensor(po_ptr, cute.make_layout(batch))
 
 
+def grid_request(bz: Int32, mLse: cute.Tensor, mPO: cute.Tensor, ordered: bool, is_split: bool) -> Int32:
+    """The request a grid CTA of block z takes: z, or order[z] in ordered launches (ordered_tensors)."""
+    if not ordered:
+        return bz
+    return mLse[bz] if is_split else mPO[bz]
+
+
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
     """The smallest number of keys any row sees (tiles that end before it need no mask)."""
     return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
@@ -316,11 +323,7 @@ class MLADecodeSm90:
         clusters launched."""
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, bz = cute.arch.block_idx()
-        m_block, split, batch = bx, by, bz
-        if const_expr(self.ordered and self.is_split):
-            batch = mLse[bz]
-        elif const_expr(self.ordered):
-            batch = mPO[bz]
+        m_block, split, batch = bx, by, grid_request(bz, mLse, mPO, self.ordered, self.is_split)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
