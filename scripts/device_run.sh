@@ -17,7 +17,7 @@
 #                     PHASES=env,install,tune (a sweep and the benchmark do not both fit in one 600 s call)
 #   BENCH_SUITES      "dense sparse indexer"      one `bench kernels` process each (a kernel fault in one
 #                                                 suite cannot lose the others' rows: they merge in kernels.json)
-#   BENCH_BACKENDS    all                          comma list: torch,triton,cutedsl,flashinfer,sglang
+#   BENCH_BACKENDS    all                          comma list: torch,triton,cutedsl,flashinfer,flashmla,sglang
 #   BENCH_SHAPES      ""                           comma list of substrings of shape keys ("sq1 sk8192", "decode b128")
 #   BENCH_ARGS        ""                           more `bench kernels` flags, e.g. "--rounds 15 --rep-ms 150" (more
 #                                                 interleaved rounds: the SM clock moves +-10% from round to round)
@@ -127,6 +127,11 @@ if has_phase install; then
        --no-deps --no-compile --no-cache-dir --target /tmp/site .peers/flashinfer/apache_tvm_ffi-*.whl"
   else
     say "== install-flashinfer: .peers/flashinfer not carried (run scripts/pack_for_device.sh, carry .peers)"
+  fi
+  if ls .peers/flashmla/sgl_flash_mla-*.whl >/dev/null 2>&1; then
+    # --no-deps: its metadata asks for torch >= 2.14.1, but it loads through torch's stable ABI (peers.py)
+    run_phase install-flashmla "$(limit 60)" "$LOG" python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --target /tmp/site .peers/flashmla/sgl_flash_mla-*.whl
   fi
   if ls .peers/wheels/*.whl >/dev/null 2>&1; then
     run_phase install-wheels "$(limit 120)" "$LOG" python3 -m pip install -q --no-index --no-deps --no-compile \

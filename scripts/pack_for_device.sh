@@ -5,6 +5,8 @@
 #                       made by ../shared/tools/pack-flashinfer-for-device.sh
 #   .peers/sglang/      the SGLang wheel (--no-deps, 6 MB); `bench kernels` extracts and imports only its Triton
 #                       decode kernel (triton_ops/decode_attention.py) at run time — SGLang's code is never committed
+#   .peers/flashmla/    the sgl-flash-mla wheel (FlashMLA as SGLang ships it, 10 MB; abi3, loaded through torch.ops,
+#                       so torch 2.11 loads it although its metadata asks for a newer one: installed --no-deps)
 #   .peers/GIT_COMMIT   the commit the results belong to (the device gets a copy of the tree without .git)
 # The device image already has torch, triton, tqdm, matplotlib, pytest (KINDS.md): no other wheels are needed.
 # Usage: scripts/pack_for_device.sh        (skips what is already packed; FORCE=1 packs again)
@@ -12,6 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 sglang_version=${SGLANG_VERSION:-0.5.10.post1}
+flashmla_version=${FLASHMLA_VERSION:-1.0.0}
 
 tool=""
 for cand in "$root/../shared/tools/pack-flashinfer-for-device.sh" "$root/shared/tools/pack-flashinfer-for-device.sh" \
@@ -19,7 +22,7 @@ for cand in "$root/../shared/tools/pack-flashinfer-for-device.sh" "$root/shared/
   if [ -f "$cand" ]; then tool=$cand; break; fi
 done
 
-if [ "${FORCE:-0}" = 1 ]; then rm -rf .peers/flashinfer .peers/sglang; fi
+if [ "${FORCE:-0}" = 1 ]; then rm -rf .peers/flashinfer .peers/sglang .peers/flashmla; fi
 mkdir -p .peers
 
 if ls .peers/flashinfer/flashinfer-pruned.tar.xz .peers/flashinfer/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
@@ -45,6 +48,14 @@ member = "sglang/srt/layers/attention/triton_ops/decode_attention.py"
 assert member in zipfile.ZipFile(wheel).namelist(), f"{wheel} has no {member}"
 print(f"sglang: {wheel} holds {member}")
 EOF
+fi
+
+if ls .peers/flashmla/sgl_flash_mla-*.whl >/dev/null 2>&1; then
+  echo "flashmla: already packed"
+else
+  mkdir -p .peers/flashmla
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d .peers/flashmla "sgl-flash-mla==$flashmla_version"
 fi
 
 # the server's packages, which the device image lacks (its GPU tests start `mlaserve serve`)

@@ -2,6 +2,7 @@
 FlashInfer peer's adapter pieces that need no GPU."""
 
 import json
+import sys
 import time
 
 import pytest
@@ -235,6 +236,35 @@ def test_flashinfer_fp8_layout_converts_mlaserve_rows():
     assert torch.equal(theirs[..., :512].bfloat16().float(), mine[..., :512])
     kpe = mine[..., 512:]
     assert (theirs[..., 512:] - kpe).abs().max() <= kpe.abs().max() / 16      # e4m3 keeps 3 mantissa bits
+
+
+def test_flashmla_fp8_layout_converts_mlaserve_rows():
+    """FlashMLA's dense FP8 layout: every entry one e4m3 byte under one scale for the whole cache, converted in chunks
+    (a chunk smaller than the cache, so that the per-tensor amax must span chunks)."""
+    kv = torch.randn(3, 8, 576)
+    kv[2, 5, 17] = 40.0                        # the cache's largest entry sits in the last chunk
+    packed = fp8_format.quantize(kv)
+    kv8, scale = peers.flashmla_fp8_cache(packed, chunk_rows=5)
+    assert kv8.shape == (3, 8, 576) and kv8.dtype == torch.float8_e4m3fn and scale.shape == (1,)
+    mine = fp8_format.dequantize(packed, torch.float32, exact=True)
+    assert float(scale) == pytest.approx(float(mine.abs().amax()) / 448.0)
+    theirs = kv8.float() * scale
+    assert float(theirs.abs().amax()) == pytest.approx(float(mine.abs().amax()), rel=1e-6)
+    # e4m3 keeps 3 mantissa bits: within 2^-4 of an entry, or of the format's smallest steps near zero
+    assert ((theirs - mine).abs() <= mine.abs() / 16 + 2 ** -9 * float(scale)).all()
+    q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)
+    q8, q_scale = peers.flashmla_fp8_q(q)
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == q.shape
+    assert ((q8.float() * q_scale - q.float()).abs() <= q.float().abs() / 16 + 2 ** -9 * float(q_scale)).all()
+
+
+def test_flashmla_peer_says_why_it_cannot_run(monkeypatch):
+    assert "CUDA" in peers.unavailable_reason("flashmla", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "sm_100" in peers.unavailable_reason("flashmla", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "flash_mla", None)       # an import of it fails, as where it is not installed
+    assert "sgl-flash-mla" in peers.unavailable_reason("flashmla", torch.device("cuda"))
 
 
 def test_sglang_splits_follow_its_heuristic():

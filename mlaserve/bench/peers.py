@@ -1,4 +1,4 @@
-"""Peer libraries timed in the same run as mlaserve's kernels: FlashInfer and SGLang's Triton decode.
+"""Peer libraries timed in the same run as mlaserve's kernels: FlashInfer, FlashMLA and SGLang's Triton decode.
 
 flashinfer: `BatchMLAPagedAttentionWrapper(backend="fa3")` through mlaserve's adapter
   (attention/flashinfer_backend.py). Dense MLA decode over the same paged cache; sparse MLA with
@@ -6,6 +6,14 @@ flashinfer: `BatchMLAPagedAttentionWrapper(backend="fa3")` through mlaserve's ad
   DSA backend drives FA3). FP8 shapes use FlashInfer's own FP8 layout, converted from mlaserve's
   656-byte rows: c_kv e4m3 with the same 4 per-128 scales, but k_pe in e4m3 with one per-tensor scale
   (mlaserve keeps k_pe in bf16); it is checked against a reference on its own dequantized values.
+flashmla: DeepSeek's FlashMLA as SGLang ships it (the `sgl-flash-mla` wheel, package `flash_mla`), on the
+  kernels its `use_legacy=True` side keeps for SM90. Dense decode over the same paged bf16 cache (its scheduler
+  metadata made by the first, untimed call, as a serving step makes it once for all layers); sparse decode
+  over mlaserve's own FP8 cache, which is DeepSeek-V3.2's 656-byte row byte for byte (FlashMLA's "V32"
+  format), indices the same slot ids; sparse prefill over the bf16 pool. Dense FP8 runs the fork's SM90 dense
+  FP8 kernel, which reads its own layout: q and KV in e4m3 with one per-tensor scale each (576-byte rows),
+  converted from mlaserve's rows and checked against a reference on the values that layout stands for.
+  FlashMLA has no sparse decode over bf16 caches.
 sglang: `decode_attention_fwd` from SGLang's `triton_ops/decode_attention.py`, loaded at run time from
   a carried SGLang wheel (never vendored): its only SGLang import is `is_hip`, stubbed for the load.
   Token-level paging (its page size is 1): each query token is its own request over its causal
@@ -31,16 +39,20 @@ from mlaserve.bench.runners import Prepared, Subset, Unsupported, reference
 from mlaserve.bench.shapes import D_V, DenseShape, Shape, SparseShape
 from mlaserve.kernels import fp8_format
 
-PEERS = ("flashinfer", "sglang")
+PEERS = ("flashinfer", "flashmla", "sglang")
 SGLANG_MEMBER = "sglang/srt/layers/attention/triton_ops/decode_attention.py"
 SGLANG_MAX_KV_SPLITS = 8
 FLASHINFER_FP8_ROW_BYTES = fp8_format.KV_LORA_RANK + fp8_format.ROPE_DIM + 4 * fp8_format.NUM_TILES  # 592
+FLASHMLA_FP8_ROW_BYTES = fp8_format.D_QK   # 576 e4m3, one scale for the whole cache
+FLASHMLA_PAGE_SIZE = 64                    # its dense decode's only page size
 _REPO = Path(__file__).resolve().parents[2]
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
     if name == "flashinfer":
         return flashinfer_backend.unavailable_reason(device, torch.bfloat16)
+    if name == "flashmla":
+        return flashmla_unavailable_reason(device)
     if name == "sglang":
         if device.type != "cuda":
             return f"SGLang's Triton decode kernel runs on CUDA; got {device.type}"
@@ -60,6 +72,9 @@ def version(name: str) -> str | None:
         if name == "flashinfer":
             import flashinfer
             return flashinfer.__version__
+        if name == "flashmla":
+            import flash_mla
+            return flash_mla.__version__
         wheel = find_sglang_wheel()
         return None if wheel is None else Path(wheel).name.split("-")[1]
     except Exception as e:      # a version string is informative only
@@ -69,6 +84,8 @@ def version(name: str) -> str | None:
 def prepare(name: str, shape: Shape, inputs) -> Prepared:
     if name == "flashinfer":
         return _prepare_flashinfer(shape, inputs)
+    if name == "flashmla":
+        return _prepare_flashmla(shape, inputs)
     if name == "sglang":
         return _prepare_sglang(shape, inputs)
     raise ValueError(f"unknown peer {name!r}")
@@ -166,6 +183,124 @@ def _prepare_flashinfer(shape: Shape, inputs) -> Prepared:
 
     return Prepared(calls, reference=own_reference, kv_row_bytes=FLASHINFER_FP8_ROW_BYTES,
                     note="FlashInfer's own FP8 layout (k_pe e4m3, per-tensor scale), converted from mlaserve's")
+
+
+# -- FlashMLA --
+
+def flashmla_unavailable_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"FlashMLA runs on CUDA; got {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"mlaserve drives FlashMLA's SM90 kernels (its legacy side); this GPU is sm_{major}{minor}"
+    try:
+        import flash_mla
+    except Exception as e:   # any failure to load it is the reason the peer is not timed
+        return (f"cannot import flash_mla ({type(e).__name__}: {str(e)[:200]}); install the sgl-flash-mla wheel "
+                f"with --no-deps (scripts/pack_for_device.sh packs it into .peers/flashmla/)")
+    if not flash_mla.has_legacy():
+        return "this flash_mla build has no legacy (SM90) kernels"
+    return None
+
+
+def flashmla_fp8_cache(packed: torch.Tensor, chunk_rows: int = 1 << 20):
+    """mlaserve FP8 rows uint8 [..., 656] -> FlashMLA's dense FP8 layout: (e4m3 [..., 576], its per-tensor scale,
+    float32 [1]). Dequantized and requantized in chunks of rows, so that no float32 copy of the cache is made."""
+    flat = packed.reshape(-1, fp8_format.PACKED_BYTES)
+    amax = torch.zeros((), dtype=torch.float32, device=packed.device)
+    def values(start: int) -> torch.Tensor:
+        return fp8_format.dequantize(flat[start:start + chunk_rows], torch.float32, exact=True)
+
+    for start in range(0, flat.shape[0], chunk_rows):
+        amax = torch.maximum(amax, values(start).abs().amax())
+    scale = (amax / fp8_format.E4M3_MAX).clamp_min(1e-12).reshape(1)
+    out = torch.empty(flat.shape[0], fp8_format.D_QK, dtype=torch.float8_e4m3fn, device=packed.device)
+    for start in range(0, flat.shape[0], chunk_rows):
+        rows = values(start)
+        out[start:start + chunk_rows] = (rows / scale).clamp(-fp8_format.E4M3_MAX, fp8_format.E4M3_MAX) \
+            .to(torch.float8_e4m3fn)
+    return out.view(*packed.shape[:-1], fp8_format.D_QK), scale
+
+
+def flashmla_fp8_q(q: torch.Tensor):
+    """q bf16 [b, s_q, h, 576] -> (e4m3 q, its per-tensor scale float32 [1]), as FlashMLA's dense FP8 kernel reads."""
+    scale = (q.float().abs().amax() / fp8_format.E4M3_MAX).clamp_min(1e-12).reshape(1)
+    return (q.float() / scale).clamp(-fp8_format.E4M3_MAX, fp8_format.E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _prepare_flashmla(shape: Shape, inputs) -> Prepared:
+    if not isinstance(shape, (DenseShape, SparseShape)):
+        raise Unsupported("FlashMLA has no DSA indexer")
+    if (shape.d_qk, shape.d_v) != (fp8_format.D_QK, D_V):
+        raise Unsupported(f"FlashMLA's SM90 kernels take d_qk 576, d_v 512; got {shape.d_qk}/{shape.d_v}")
+    import flash_mla
+    if isinstance(shape, SparseShape):
+        return _prepare_flashmla_sparse(flash_mla, shape, inputs)
+    di: DenseInputs = inputs
+    p = di.paging
+    if p.page_size != FLASHMLA_PAGE_SIZE:
+        raise Unsupported(f"FlashMLA's dense decode takes page size {FLASHMLA_PAGE_SIZE}; got {p.page_size}")
+    b, s_q, h, d = di.q[0].shape
+    meta = flash_mla.get_mla_metadata()[0]
+
+    def shaped(result):
+        out, lse = result
+        return out, lse.transpose(1, 2)     # lse [b, h, s_q] -> [b, s_q, h]
+
+    if shape.kv == "bf16":
+        def call(q, kv):
+            return shaped(flash_mla.flash_mla_with_kvcache(
+                q, kv.view(*kv.shape[:2], 1, d), p.block_table, p.seqlens, shape.d_v, meta,
+                softmax_scale=di.scale, causal=True, use_legacy=True))
+        return Prepared([lambda q=q, kv=kv: call(q, kv) for q, kv in zip(di.q, di.kv)],
+                        note="FlashMLA (sgl-flash-mla, legacy SM90 dense decode); metadata planned once, untimed")
+    meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
+        p.seqlens, s_q * h, 1, h_q=h, is_fp8_kvcache=True, use_legacy=True)
+    converted = [(flashmla_fp8_q(q), flashmla_fp8_cache(kv)) for q, kv in zip(di.q, di.kv)]
+
+    def call_fp8(q8, q_scale, kv8, kv_scale):
+        return shaped(flash_mla.flash_mla_with_kvcache(
+            q8, kv8.view(*kv8.shape[:2], 1, d), p.block_table, p.seqlens, shape.d_v, meta,
+            softmax_scale=di.scale, causal=True, is_fp8_kvcache=True, use_legacy=True,
+            descale_q=q_scale, descale_k=kv_scale))
+
+    def own_reference(subset: Subset):
+        (q8, q_scale), (kv8, kv_scale) = converted[0]
+        as_f32 = DenseInputs(q=[q8.float() * q_scale], kv=[kv8.float() * kv_scale], paging=p, scale=di.scale)
+        out, lse = reference(shape, as_f32, subset)
+        return out.to(di.q[0].dtype), lse
+
+    return Prepared([lambda c=c: call_fp8(*c[0], *c[1]) for c in converted], reference=own_reference,
+                    kv_row_bytes=FLASHMLA_FP8_ROW_BYTES,
+                    note="FlashMLA's SM90 dense FP8 kernel (sgl-flash-mla): q and KV e4m3 with per-tensor scales, "
+                         "converted from mlaserve's rows")
+
+
+def _prepare_flashmla_sparse(flash_mla, shape: SparseShape, inputs) -> Prepared:
+    si: SparseInputs = inputs
+    b, s_q, h, d = si.q[0].shape
+    if shape.phase == "prefill":
+        if shape.kv != "bf16":
+            raise Unsupported("FlashMLA's sparse prefill reads a bf16 pool")
+
+        def prefill(q, kv):
+            out, _, lse = flash_mla.flash_mla_sparse_fwd(
+                q.view(b * s_q, h, d), kv.view(-1, 1, d), si.indices.view(b * s_q, 1, -1), si.scale, shape.d_v,
+                use_legacy=True)
+            return out.view(b, s_q, h, -1), lse.view(b, s_q, h)
+        return Prepared([lambda q=q, kv=kv: prefill(q, kv) for q, kv in zip(si.q, si.kv)],
+                        note="FlashMLA (sgl-flash-mla, legacy SM90 sparse prefill)")
+    if shape.kv != "fp8":
+        raise Unsupported("FlashMLA's sparse decode reads the FP8 656-byte (V3.2) cache only")
+    meta = flash_mla.get_mla_metadata()[0]
+
+    def decode(q, kv):
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q, kv.view(-1, shape.page_size, 1, kv.shape[-1]), None, None, shape.d_v, meta, softmax_scale=si.scale,
+            causal=False, is_fp8_kvcache=True, indices=si.indices, use_legacy=True, kv_format="V32")
+        return out, lse.transpose(1, 2)     # lse [b, h, s_q] -> [b, s_q, h]
+    return Prepared([lambda q=q, kv=kv: decode(q, kv) for q, kv in zip(si.q, si.kv)],
+                    note="FlashMLA (sgl-flash-mla, legacy SM90 sparse decode) on mlaserve's FP8 rows (its V32 format)")
 
 
 # -- SGLang --
