@@ -2,6 +2,8 @@
 hangs (run each case in its own process, under `timeout`, with CUDA_LAUNCH_BLOCKING=1).
 
     python3 scripts/peer_probe.py flashmla "dense 2 1 256 16 bf16" "sparse decode 2 1 4096 128 fp8"
+    python3 scripts/peer_probe.py --time flashmla "dense 128 1 4096 128 bf16"   # then as the benchmark times it:
+                                                                 # CUDA graphs, do_bench, the L2 cleared each call
 
 A case: "dense B S_Q S_K H KV [var]" or "sparse PHASE B S_Q S_KV H KV [TOPK]". Prints one PASS / FAIL / SKIP line a case.
 """
@@ -11,7 +13,7 @@ import time
 
 import torch
 
-from mlaserve.bench import peers, runners
+from mlaserve.bench import limits, peers, runners
 from mlaserve.bench.inputs import make_dense, make_sparse
 from mlaserve.bench.shapes import DenseShape, SparseShape
 
@@ -25,6 +27,8 @@ def parse(case: str):
 
 
 def main(argv) -> int:
+    timed = argv[:1] == ["--time"]
+    argv = argv[1:] if timed else argv
     name, cases = argv[0], argv[1:]
     device = torch.device("cuda")
     reason = peers.unavailable_reason(name, device)
@@ -52,6 +56,12 @@ def main(argv) -> int:
         bad += not chk["ok"]
         print(f"{'PASS' if chk['ok'] else 'FAIL'} {case}: first call {took * 1e3:.1f} ms, rel {chk.get('rel_err')}, "
               f"lse {chk.get('lse_err')} {chk.get('reason', '')}", flush=True)
+        if timed:
+            replays = limits.capture_graphs(prepared.calls)
+            print(f"  captured: {replays is not None}", flush=True)
+            us = limits.time_us(replays or prepared.calls, device)
+            torch.cuda.synchronize()
+            print(f"  timed: {us:.1f} us", flush=True)
     return 1 if bad else 0
 
 
