@@ -13,8 +13,10 @@ On a CPU only `--quick` shapes make sense; limits are skipped there (the JSON sa
 
 import argparse
 import datetime
+import faulthandler
 import os
 import platform
+import signal
 import subprocess
 import statistics
 import sys
@@ -366,6 +368,8 @@ def main(argv=None) -> int:
         return _finish(data, out_dir, args)
     suites = _split(args.suite, SUITES, "suite")
     backends = _split(args.backends, list(BACKENDS) + list(peers.PEERS), "backend")
+    # a run stopped from outside (the device script's `timeout`) says where it was: every thread's stack on stderr
+    faulthandler.register(signal.SIGTERM, chain=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
         print("mlaserve bench kernels: no CUDA device here; the standard shapes need a GPU (use --quick on a CPU)",
