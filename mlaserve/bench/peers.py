@@ -228,6 +228,18 @@ def flashmla_fp8_q(q: torch.Tensor):
     return (q.float() / scale).clamp(-fp8_format.E4M3_MAX, fp8_format.E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
+def _flashmla_meta(flash_mla, seqlens: torch.Tensor, s_q: int, h: int, fp8: bool, topk: int | None = None):
+    """FlashMLA's split schedule for a step, made and waited for ahead of the calls, as a serving step plans it once
+    for all layers. Left to the decode call, the schedule is made by a kernel just before the attention kernel that
+    reads it; on the H200 that read faulted (illegal address) in the benchmark's process while the same call ran
+    clean in a process of its own (bench/NOTES.md 106)."""
+    meta = flash_mla.get_mla_metadata()[0]
+    meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
+        seqlens, s_q * h, 1, h_q=h, is_fp8_kvcache=fp8, topk=topk, use_legacy=True)
+    torch.cuda.synchronize(seqlens.device)
+    return meta
+
+
 def _prepare_flashmla(shape: Shape, inputs) -> Prepared:
     if not isinstance(shape, (DenseShape, SparseShape)):
         raise Unsupported("FlashMLA has no DSA indexer")
@@ -241,7 +253,7 @@ def _prepare_flashmla(shape: Shape, inputs) -> Prepared:
     if p.page_size != FLASHMLA_PAGE_SIZE:
         raise Unsupported(f"FlashMLA's dense decode takes page size {FLASHMLA_PAGE_SIZE}; got {p.page_size}")
     b, s_q, h, d = di.q[0].shape
-    meta = flash_mla.get_mla_metadata()[0]
+    meta = _flashmla_meta(flash_mla, p.seqlens, s_q, h, shape.kv == "fp8")
 
     def shaped(result):
         out, lse = result
@@ -254,8 +266,6 @@ def _prepare_flashmla(shape: Shape, inputs) -> Prepared:
                 softmax_scale=di.scale, causal=True, use_legacy=True))
         return Prepared([lambda q=q, kv=kv: call(q, kv) for q, kv in zip(di.q, di.kv)],
                         note="FlashMLA (sgl-flash-mla, legacy SM90 dense decode); metadata planned once, untimed")
-    meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
-        p.seqlens, s_q * h, 1, h_q=h, is_fp8_kvcache=True, use_legacy=True)
     converted = [(flashmla_fp8_q(q), flashmla_fp8_cache(kv)) for q, kv in zip(di.q, di.kv)]
 
     def call_fp8(q8, q_scale, kv8, kv_scale):
@@ -292,7 +302,8 @@ def _prepare_flashmla_sparse(flash_mla, shape: SparseShape, inputs) -> Prepared:
                         note="FlashMLA (sgl-flash-mla, legacy SM90 sparse prefill)")
     if shape.kv != "fp8":
         raise Unsupported("FlashMLA's sparse decode reads the FP8 656-byte (V3.2) cache only")
-    meta = flash_mla.get_mla_metadata()[0]
+    meta = _flashmla_meta(flash_mla, torch.full((b,), shape.s_kv, dtype=torch.int32, device=si.q[0].device), s_q,
+                          h, True, topk=si.indices.shape[-1])
 
     def decode(q, kv):
         out, lse = flash_mla.flash_mla_with_kvcache(
