@@ -57,6 +57,25 @@ def test_report_mode_reprints_the_table(quick_run, capsys):
     assert "dense   b2 sq1 sk256 h4 fix " in text and "indexer prefill" in text
 
 
+def test_a_shape_no_backend_can_run_is_recorded_as_skipped(tmp_path, monkeypatch):
+    """Every backend available yet each one declining the shape at its check call (as FlashMLA declines a bf16 sparse
+    decode): the rows say why, and the run goes on to the next shape (it once divided by the zero backends left)."""
+    real = runners.prepare_ops
+
+    def declines_dense(name, shape, inputs):
+        if isinstance(shape, DenseShape):
+            raise runners.Unsupported("no dense here")
+        return real(name, shape, inputs)
+
+    monkeypatch.setattr(runners, "prepare_ops", declines_dense)
+    assert kernels.main(["--quick", "--suite", "dense,sparse", "--backends", "torch", "--out", str(tmp_path),
+                         "--disable-tqdm", "--fresh", "--rep-ms", "1"]) == 0
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    dense = [r for r in rows if r["suite"] == "dense"]
+    assert dense and all(r["status"] == "skipped" and r["reason"] == "no dense here" for r in dense)
+    assert any(r["suite"] == "sparse" and r["status"] == "ok" for r in rows)
+
+
 def test_unknown_backend_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown backend"):
         kernels.main(["--quick", "--backends", "nope", "--out", str(tmp_path)])
