@@ -229,10 +229,8 @@ def flashmla_fp8_q(q: torch.Tensor):
 
 
 def _flashmla_meta(flash_mla, seqlens: torch.Tensor, s_q: int, h: int, fp8: bool, topk: int | None = None):
-    """FlashMLA's split schedule for a step, made and waited for ahead of the calls, as a serving step plans it once
-    for all layers. Left to the decode call, the schedule is made by a kernel just before the attention kernel that
-    reads it; on the H200 that read faulted (illegal address) in the benchmark's process while the same call ran
-    clean in a process of its own (bench/NOTES.md 106)."""
+    """FlashMLA's split schedule for a step, made and waited for ahead of the timed calls, as SGLang's FlashMLA backend
+    plans it once a step for all layers (left to the decode call, the first call makes it)."""
     meta = flash_mla.get_mla_metadata()[0]
     meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
         seqlens, s_q * h, 1, h_q=h, is_fp8_kvcache=fp8, topk=topk, use_legacy=True)
