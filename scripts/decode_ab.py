@@ -58,7 +58,6 @@ switches, read at launch (so captured with each graph):
   GRID_ORDER_ALL    cutedsl: every grid of more than one wave (the 16-bit grid, the keys-on-M and FP8-MMA kernels,
                     split grids) takes its requests longest first against only the 64-row FP8 kernel's unsplit ones
   BALANCED_ORDERED  cutedsl: CUTEDSL_BALANCED_SPLITS and GRID_ORDER_ALL together against neither
-  KV_EVICT_FIRST    cutedsl: the 16-bit kernel's Q and page loads with L2's evict-first policy against the default
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -232,7 +231,6 @@ SWITCHES = {
     "CUTEDSL_BALANCED_SPLITS": ("cutedsl", _cutedsl_balance_rows),
     "GRID_ORDER_ALL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "GRID_ORDER_ALL")),
     "BALANCED_ORDERED": ("cutedsl", _balanced_ordered),
-    "KV_EVICT_FIRST": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "KV_EVICT_FIRST")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

@@ -254,10 +254,6 @@ TREE_MAX = True
 # so that the MUFU stream of the owner's softmax starts right after S. On the H200 (bench/NOTES.md 98, sustained
 # clock) 0.7-2.0% faster at b128 h128 / h64 (s_q 1 and 2), level at b4 (False: for A/B runs)
 SPEC_EXP = True
-# 16-bit KV: Q's and the pages' TMA loads carry L2's evict-first policy (FlashMLA's loads do): KV is read once a
-# step, so that its lines, not the dirty ones other kernels left, are the ones the L2 gives up first (False: for A/B
-# runs; measured in bench/NOTES.md 106)
-KV_EVICT_FIRST = False
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -385,7 +381,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
     seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
-                                "spec_exp": SPEC_EXP, "evict_first": KV_EVICT_FIRST}
+                                "spec_exp": SPEC_EXP}
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:

@@ -99,9 +99,6 @@ from mlaserve.kernels.cutedsl.ticket_scheduler import (ITEM_STAGES, fetch_ticket
                                                        publish_item, rank_requests)
 
 PRODUCER_REGS = 24
-# the L2 cache policy of a TMA load's `.L2::cache_hint` operand that marks its lines evict-first (PTX createpolicy's
-# encoding, the value CUTLASS names CacheHintSm90::EVICT_FIRST)
-EVICT_FIRST = 0x12F0000000000000
 CONSUMER_REGS = 240
 THREADS = 3 * 128
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
@@ -161,7 +158,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 tree_max: bool = False, spec_exp: bool = False, ordered: bool = False, evict_first: bool = False):
+                 tree_max: bool = False, spec_exp: bool = False, ordered: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -203,8 +200,6 @@ class MLADecodeSm90:
             raise ValueError("spec_exp takes lazy_rescale and fold_scale")
         # grid launches: the request axis through an int32 order (ordered_tensors)
         self.ordered = ordered
-        # Q's and the pages' TMA loads with L2's evict-first policy (mla_decode.KV_EVICT_FIRST)
-        self.evict_first = evict_first
         if ordered and persistent:
             raise ValueError("ordered is an order of a grid launch's requests (persistent launches have their own)")
 
@@ -489,8 +484,7 @@ class MLADecodeSm90:
         if const_expr(self.trace):
             if cute.arch.lane_idx() == 0:
                 self._trace(mSched, trace_slot, T_QLOAD, cute.arch.clock())
-        policy = {"cache_policy": cutlass.Int64(EVICT_FIRST)} if const_expr(self.evict_first) else {}
-        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state), **policy)
+        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
         first_page = start // TILE_N
         for t in cutlass.range(n_tiles, unroll=1):
             page = mBT[batch, first_page + t]
@@ -500,11 +494,11 @@ class MLADecodeSm90:
                     self._trace(mSched, trace_slot, T_PAGE0, cute.arch.clock())
             if const_expr(self.cluster == 1):
                 cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
-                          tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state), **policy)
+                          tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
             else:
                 cute.copy(tma_kv, tKVg[None, self.cluster * page + rank], tKVs[None, kv_state.index],
                           tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
-                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1), **policy)
+                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
             kv_state.advance()
         return kv_state
 
