@@ -58,6 +58,8 @@ switches, read at launch (so captured with each graph):
   GRID_ORDER_ALL    cutedsl: every grid of more than one wave (the 16-bit grid, the keys-on-M and FP8-MMA kernels,
                     split grids) takes its requests longest first against only the 64-row FP8 kernel's unsplit ones
   BALANCED_ORDERED  cutedsl: CUTEDSL_BALANCED_SPLITS and GRID_ORDER_ALL together against neither
+  KV_PARTS          cutedsl: the 16-bit kernel's pages as $DA_KV_PARTS (default 3) column parts with a full barrier
+                    each, S issued part by part as they land, against one barrier a page
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -134,6 +136,13 @@ def _cutedsl_balance_rows(on: bool):
     """The CuTe DSL plan's host-length splits up to DA_BALANCE_ROWS (default 64) rows a request, against never."""
     cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
     cd.BALANCE_SPLITS_MAX_ROWS = int(os.environ.get("DA_BALANCE_ROWS", "64")) if on else 0
+
+
+def _kv_parts(on: bool):
+    """The 16-bit CuTe DSL kernel's pages as DA_KV_PARTS (default 3) column parts, S issued part by part as they land
+    (mla_decode.KV_PARTS), against one barrier a page."""
+    importlib.import_module("mlaserve.kernels.cutedsl.mla_decode").KV_PARTS = (
+        int(os.environ.get("DA_KV_PARTS", "3")) if on else 1)
 
 
 def _balanced_ordered(on: bool):
@@ -231,6 +240,7 @@ SWITCHES = {
     "CUTEDSL_BALANCED_SPLITS": ("cutedsl", _cutedsl_balance_rows),
     "GRID_ORDER_ALL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "GRID_ORDER_ALL")),
     "BALANCED_ORDERED": ("cutedsl", _balanced_ordered),
+    "KV_PARTS": ("cutedsl", _kv_parts),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

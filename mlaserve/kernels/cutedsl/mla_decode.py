@@ -254,6 +254,11 @@ TREE_MAX = True
 # so that the MUFU stream of the owner's softmax starts right after S. On the H200 (bench/NOTES.md 98, sustained
 # clock) 0.7-2.0% faster at b128 h128 / h64 (s_q 1 and 2), level at b4 (False: for A/B runs)
 SPEC_EXP = True
+# 16-bit KV: each page loaded as KV_PARTS column parts (3: 192 columns each), each part on a full barrier of its own,
+# and S = Q K^T issued part by part as they land (seesaw_consumers.issue_mma_by_part), as FlashMLA waits on each
+# 64-column piece of a page; 1: one barrier a page. The H200's counters put 32% of our consumers' samples at the wait
+# for the other's P and 10.6% at the wait for a whole page (bench/NOTES.md 107). Prepared, not yet run on a GPU
+KV_PARTS = 1
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -382,6 +387,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("early-refill",)
     seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
                                 "spec_exp": SPEC_EXP}
+    if not kv_fp8 and KV_PARTS != 1:
+        seesaw["kv_parts"] = KV_PARTS
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:

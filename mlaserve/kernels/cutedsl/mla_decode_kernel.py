@@ -89,7 +89,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
-    BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, issue_mma, tile_state,
+    BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, KVParts, issue_mma,
+    issue_mma_by_part, tile_state,
     other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, speculative_p,
     take_row_sums)
 from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, fold_row_max, quad_row_max, scale_rows,
@@ -158,7 +159,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 tree_max: bool = False, spec_exp: bool = False, ordered: bool = False):
+                 tree_max: bool = False, spec_exp: bool = False, ordered: bool = False, kv_parts: int = 1):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -200,6 +201,11 @@ class MLADecodeSm90:
             raise ValueError("spec_exp takes lazy_rescale and fold_scale")
         # grid launches: the request axis through an int32 order (ordered_tensors)
         self.ordered = ordered
+        # each page loaded as kv_parts column parts with a full barrier each, and S = Q K^T issued part by part as
+        # they land (mla_decode.KV_PARTS); 1: one barrier a page
+        if kv_parts < 1 or D_QK % (64 * kv_parts):
+            raise ValueError(f"kv_parts must split the {D_QK} columns into whole 64-column blocks, got {kv_parts}")
+        self.kv_parts = kv_parts
         if ordered and persistent:
             raise ValueError("ordered is an order of a grid launch's requests (persistent launches have their own)")
 
@@ -257,7 +263,15 @@ class MLADecodeSm90:
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (TILE_M, D_QK))
-        if const_expr(self.cluster == 1):
+        if const_expr(self.kv_parts > 1):
+            # one column part of a page (of a cluster CTA's share of its rows): rows 0.. and columns 0.. of a stage's
+            # [64, 576] layout, whole 64-column pieces of the 128-byte swizzle
+            box = (TILE_N // self.cluster, D_QK // self.kv_parts)
+            part = cute.composition(cute.slice_(sKV_layout, (None, None, 0)),
+                                    cute.make_layout(box, stride=(1, TILE_N)))
+            op = tma_op if const_expr(self.cluster == 1) else cpasync.CopyBulkTensorTileG2SMulticastOp()
+            tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(op, mKV, part, box)
+        elif const_expr(self.cluster == 1):
             tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(
                 tma_op, mKV, cute.slice_(sKV_layout, (None, None, 0)), (TILE_N, D_QK))
         else:
@@ -273,7 +287,7 @@ class MLADecodeSm90:
 
         @cute.struct
         class SharedStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2 * self.kv_parts]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
@@ -283,7 +297,7 @@ class MLADecodeSm90:
 
         @cute.struct
         class PersistentStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2 * self.kv_parts]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             item_mbar: cute.struct.MemRange[cutlass.Int64, ITEM_STAGES * 2]
             chan_mbar: cute.struct.MemRange[cutlass.Int64, 2]     # cluster rank 0 -> r: full (in r), empty (in 0)
@@ -338,12 +352,13 @@ class MLADecodeSm90:
         # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp): both
         # consumers read every tile's V. In a cluster, lane r of each warp arrives on CTA r's barrier: a
         # stage is free once every CTA's consumers are done with it, since every CTA's load writes into all.
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_mbar.data_ptr(), num_stages=NUM_STAGES,
+        kv_pipes = [pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr() + part * NUM_STAGES * 2, num_stages=NUM_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster * CONSUMER_THREADS // 32),
-            tx_count=TILE_N * D_QK * self.dtype.width // 8,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)))
+            tx_count=TILE_N * (D_QK // self.kv_parts) * self.dtype.width // 8,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1))) for part in range(self.kv_parts)]
+        kv_pipe = kv_pipes[0] if const_expr(self.kv_parts == 1) else KVParts(tuple(kv_pipes))
         q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -374,6 +389,12 @@ class MLADecodeSm90:
                     sKV_load = cute.local_tile(sKV, (TILE_N // self.cluster, D_QK, NUM_STAGES), (rank, 0, 0))
                 # [64 / c, 576, c * pages] for clusters of c CTAs: CTA r loads tile c * p + r of page p
                 gKV = cute.local_tile(mKV_tma, (TILE_N // self.cluster, D_QK), (None, 0))
+                if const_expr(self.kv_parts > 1):
+                    # [rows, 576 / parts, stage, part] and [rows, 576 / parts, c * pages, part]
+                    box = (TILE_N // self.cluster, D_QK // self.kv_parts)
+                    parts = cute.local_tile(sKV, (*box, 1), (rank, None, None))   # [rows, cols, 1, part, stage]
+                    sKV_load = cute.make_tensor(parts.iterator, cute.select(parts.layout, mode=[0, 1, 4, 3]))
+                    gKV = cute.local_tile(mKV_tma, box, (None, None))
                 tKVs, tKVg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sKV_load, 0, 2),
                                                    cute.group_modes(gKV, 0, 2))
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -488,19 +509,42 @@ class MLADecodeSm90:
         first_page = start // TILE_N
         for t in cutlass.range(n_tiles, unroll=1):
             page = mBT[batch, first_page + t]
-            kv_pipe.producer_acquire(kv_state)
-            if const_expr(self.trace):
-                if cute.arch.lane_idx() == 0 and t == 0:
-                    self._trace(mSched, trace_slot, T_PAGE0, cute.arch.clock())
-            if const_expr(self.cluster == 1):
-                cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
-                          tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+            if const_expr(self.kv_parts > 1):
+                if const_expr(self.trace):
+                    if cute.arch.lane_idx() == 0 and t == 0:
+                        self._trace(mSched, trace_slot, T_PAGE0, cute.arch.clock())
+                self._produce_parts(tma_kv, tKVs, tKVg, kv_pipe, kv_state, self.cluster * page + rank)
             else:
-                cute.copy(tma_kv, tKVg[None, self.cluster * page + rank], tKVs[None, kv_state.index],
-                          tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
-                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
+                kv_pipe.producer_acquire(kv_state)
+                if const_expr(self.trace):
+                    if cute.arch.lane_idx() == 0 and t == 0:
+                        self._trace(mSched, trace_slot, T_PAGE0, cute.arch.clock())
+                if const_expr(self.cluster == 1):
+                    cute.copy(tma_kv, tKVg[None, page], tKVs[None, kv_state.index],
+                              tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+                else:
+                    cute.copy(tma_kv, tKVg[None, self.cluster * page + rank], tKVs[None, kv_state.index],
+                              tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state),
+                              mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
             kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def _produce_parts(self, tma_kv: cute.CopyAtom, tKVs: cute.Tensor, tKVg: cute.Tensor, kv_pipe, kv_state,
+                       tile: Int32):
+        """One page's loads as kv_parts column parts, each on its own full barrier (KVParts), so that S can start
+        on the first part while the others land. `tile`: the page's row tile in the [64 / cluster, 576] tiling
+        of the cache (c * page + rank)."""
+        for part in cutlass.range_constexpr(self.kv_parts):
+            pipe = kv_pipe.pipes[part]
+            pipe.producer_acquire(kv_state)
+            if const_expr(self.cluster == 1):
+                cute.copy(tma_kv, tKVg[None, tile, part], tKVs[None, kv_state.index, part],
+                          tma_bar_ptr=pipe.producer_get_barrier(kv_state))
+            else:
+                cute.copy(tma_kv, tKVg[None, tile, part], tKVs[None, kv_state.index, part],
+                          tma_bar_ptr=pipe.producer_get_barrier(kv_state),
+                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
 
     @cute.jit
     def _consume_item(self, kv_pipe, q_pipe, q_state, ops, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -549,8 +593,11 @@ class MLADecodeSm90:
                     other_tile_pv(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
                                   r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
             # -- c: S = Q K_t^T --
-            kv_pipe.consumer_wait(own)
-            issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+            if const_expr(self.kv_parts > 1):
+                issue_mma_by_part(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], kv_pipe.pipes, own)
+            else:
+                kv_pipe.consumer_wait(own)
+                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
             if const_expr(self.cluster > 1):
                 # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
                 warpgroup.wait_group(1)

@@ -9,6 +9,7 @@ from smem (other_tile_pv). Everything here is inlined into the calling kernel at
 """
 
 import math
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -130,6 +131,45 @@ def other_tile_pv_issue(cw: Int32, st: pipeline.PipelineState, wait_stage, sMax:
     else:
         scale_rows(acc_o, alpha)
     issue_mma(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
+
+
+@dataclass(frozen=True)
+class KVParts:
+    """The KV ring of a kernel that loads each page as column parts (mla_decode.KV_PARTS): one TMA pipeline per
+    part, each with its stages' full and empty barriers. Every use but S's waits and the producer's loads takes all
+    parts at once, so it stands where the one pipeline of a whole page stood. A frozen dataclass, as the pipelines
+    are, so that the DSL carries it through dynamic control flow."""
+    pipes: tuple
+
+    def consumer_wait(self, state: pipeline.PipelineState):
+        for pipe in self.pipes:
+            pipe.consumer_wait(state)
+
+    def consumer_release(self, state: pipeline.PipelineState):
+        for pipe in self.pipes:
+            pipe.consumer_release(state)
+
+    def producer_tail(self, state: pipeline.PipelineState):
+        for pipe in self.pipes:
+            pipe.producer_tail(state)
+
+
+@cute.jit
+def issue_mma_by_part(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, pipes: tuple,
+                      st: pipeline.PipelineState):
+    """acc = A B as issue_mma(zero_init=True) does, the k-blocks in the same order, but each column part's k-blocks
+    issued once that part's load has landed (pipes[p].consumer_wait): the first parts' wgmmas run while the later
+    parts load. One committed group, not waited for."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    per_part = cute.size(tCrA.shape[2]) // len(pipes)
+    for part in cutlass.range_constexpr(len(pipes)):
+        pipes[part].consumer_wait(st)
+        for k in cutlass.range_constexpr(part * per_part, (part + 1) * per_part):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
 
 
 @cute.jit
