@@ -1,7 +1,8 @@
 """`mlaserve bench kernels`: time every attention kernel backend on the standard shapes.
 
     mlaserve bench kernels [--backends torch,triton,cutedsl,flashinfer,flashmla,sglang|all]
-                           [--suite dense,sparse,indexer|all] [--quick] [--out DIR] [--disable-tqdm] [--time-budget S] [--report] [--brief]
+                           [--suite dense,sparse,indexer|all] [--quick] [--out DIR] [--disable-tqdm]
+                           [--time-budget S] [--report] [--brief]
 
 Per shape: random inputs (rotated among several sets when one set is small), the torch reference on
 a subset that is a smaller problem of its own, then for each backend: one call checked against the

@@ -7,8 +7,8 @@ flashinfer: `BatchMLAPagedAttentionWrapper(backend="fa3")` through mlaserve's ad
   656-byte rows: c_kv e4m3 with the same 4 per-128 scales, but k_pe in e4m3 with one per-tensor scale
   (mlaserve keeps k_pe in bf16); it is checked against a reference on its own dequantized values.
 flashmla: DeepSeek's FlashMLA as SGLang ships it (the `sgl-flash-mla` wheel, package `flash_mla`), on the
-  kernels its `use_legacy=True` side keeps for SM90. Dense decode over the same paged bf16 cache (its scheduler
-  metadata made by the first, untimed call, as a serving step makes it once for all layers); sparse decode
+  kernels its `use_legacy=True` side keeps for SM90. Dense decode over the same paged bf16 cache (its split
+  schedule made once, untimed, as a serving step makes it once for all layers); sparse decode
   over mlaserve's own FP8 cache, which is DeepSeek-V3.2's 656-byte row byte for byte (FlashMLA's "V32"
   format), indices the same slot ids; sparse prefill over the bf16 pool. Dense FP8 runs the fork's SM90 dense
   FP8 kernel, which reads its own layout: q and KV in e4m3 with one per-tensor scale each (576-byte rows),
@@ -208,6 +208,7 @@ def flashmla_fp8_cache(packed: torch.Tensor, chunk_rows: int = 1 << 20):
     float32 [1]). Dequantized and requantized in chunks of rows, so that no float32 copy of the cache is made."""
     flat = packed.reshape(-1, fp8_format.PACKED_BYTES)
     amax = torch.zeros((), dtype=torch.float32, device=packed.device)
+
     def values(start: int) -> torch.Tensor:
         return fp8_format.dequantize(flat[start:start + chunk_rows], torch.float32, exact=True)
 
