@@ -94,7 +94,7 @@ from mlaserve.kernels.cutedsl.seesaw_consumers import (
     other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, speculative_p,
     take_row_sums)
 from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, fold_row_max, quad_row_max, scale_rows,
-                                                      scale_rows_moved, store_dense_block, store_dense_lse)
+                                                      rescale_rows, store_dense_block, store_dense_lse)
 from mlaserve.kernels.cutedsl.stream_k_pieces import first_piece, merge_piece, piece_of
 from mlaserve.kernels.cutedsl.ticket_scheduler import (ITEM_STAGES, fetch_ticket, init_scheduler, next_item,
                                                        publish_item, rank_requests)
@@ -651,10 +651,7 @@ class MLADecodeSm90:
                 # this consumer's own P V below reads V rows its other threads zeroed
                 cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
             # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-            if const_expr(lazy):
-                scale_rows_moved(acc_o, alpha)
-            else:
-                scale_rows(acc_o, alpha)
+            rescale_rows(acc_o, alpha, lazy)
             issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
             warpgroup.wait_group(0)
             kv_pipe.consumer_release(own)

@@ -15,11 +15,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.split_consumers import (LAZY_RESCALE_LOG2, exp_p, fold_row_max, move_row_max,
-                                                      quad_row_max, row_of, scale_rows, scale_rows_moved)
+                                                      quad_row_max, rescale_rows, row_of)
 
 TILE_M = 64           # query rows (heads) per CTA: one wgmma M
 TILE_N = 64           # keys per ring stage
@@ -126,10 +126,7 @@ def other_tile_pv_issue(cw: Int32, st: pipeline.PipelineState, wait_stage, sMax:
     m_base = cute.make_rmem_tensor(2, Float32)
     for hr in cutlass.range_constexpr(2):
         move_row_max(row_m, row_l, alpha, m_base, hr, sMax[r0 + 8 * hr])
-    if const_expr(lazy):
-        scale_rows_moved(acc_o, alpha)
-    else:
-        scale_rows(acc_o, alpha)
+    rescale_rows(acc_o, alpha, lazy)
     issue_mma(tiled_mma_pv, acc_o, tOrPs, tOrV[None, None, None, st.index], False)
 
 

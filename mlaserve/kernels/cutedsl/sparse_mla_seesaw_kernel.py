@@ -24,7 +24,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
@@ -33,8 +33,8 @@ from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     CONSUMER_REGS, PRODUCER_REGS, TILE_M, TILE_N, SparseMLASm90, consumer_rows, cta_coords, load_q, split_range,
     wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, exp_p, finish_rows, fold_row_max, key_of, quad_row_max, scale_rows, scale_rows_moved,
-    sparse_key_bias, store_sparse)
+    CONSUMER_THREADS, exp_p, finish_rows, fold_row_max, key_of, quad_row_max, rescale_rows, sparse_key_bias,
+    store_sparse)
 
 
 class SparseMLASeesawSm90(SparseMLASm90):
@@ -121,10 +121,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
                 # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-                if const_expr(lazy):
-                    scale_rows_moved(acc_o, alpha)
-                else:
-                    scale_rows(acc_o, alpha)
+                rescale_rows(acc_o, alpha, lazy)
                 issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
                 warpgroup.wait_group(0)
                 release_stage(own)

@@ -118,7 +118,7 @@ def quad_row_max(mx: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, lazy: 
 
     `lazy`: a row keeps its running max unless the new one exceeds it by more than LAZY_RESCALE_LOG2 (so P
     stays <= 2^LAZY_RESCALE_LOG2, exact in fp32 sums and bf16 / fp16 operands alike), which leaves alpha
-    exactly 1 on most tiles, so that scale_rows_moved skips O's rescale; the first finite max is always taken."""
+    exactly 1 on most tiles, so that rescale_rows skips O's rescale; the first finite max is always taken."""
     alpha = cute.make_rmem_tensor(2, Float32)
     m_base = cute.make_rmem_tensor(2, Float32)
     for hr in cutlass.range_constexpr(2):
@@ -179,9 +179,13 @@ def scale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
 
 
 @cute.jit
-def scale_rows_moved(acc_o: cute.Tensor, alpha: cute.Tensor):
-    """scale_rows where some row of the warp moved its max (alpha != 1): a warp-uniform branch around the FMULs."""
-    if cute.arch.vote_any_sync((alpha[0] != 1.0) | (alpha[1] != 1.0)):
+def rescale_rows(acc_o: cute.Tensor, alpha: cute.Tensor, lazy: cutlass.Constexpr[bool]):
+    """O_w *= alpha per row before a P V: with `lazy` (the max moved by quad_row_max(lazy=True)), only where some
+    row of the warp moved its max (alpha != 1), a warp-uniform branch around the FMULs."""
+    if const_expr(lazy):
+        if cute.arch.vote_any_sync((alpha[0] != 1.0) | (alpha[1] != 1.0)):
+            scale_rows(acc_o, alpha)
+    else:
         scale_rows(acc_o, alpha)
 
 
