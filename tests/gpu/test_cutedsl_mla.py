@@ -258,16 +258,18 @@ def test_speculative_p_matches_reference(monkeypatch, b, s_q, h, num_splits, min
     torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles", [
-    (8, 1, 64, 1, None),           # a grid of single CTAs
-    (8, 2, 64, 1, None),           # a grid, clusters of 2 (each CTA multicasts its rows of every part)
-    (5, 1, 16, 1, None),           # 16 heads padded to a 64-row tile
-    (200, 1, 128, 1, None),        # persistent, tickets
-    (150, 2, 128, 1, 0),           # persistent, stream-K (every case cut)
-    (4, 1, 128, 4, None),          # split
+@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, parts", [
+    (8, 1, 64, 1, None, 3),           # a grid of single CTAs
+    (8, 2, 64, 1, None, 3),           # a grid, clusters of 2 (each CTA multicasts its rows of every part)
+    (5, 1, 16, 1, None, 3),           # 16 heads padded to a 64-row tile
+    (200, 1, 128, 1, None, 3),        # persistent, tickets
+    (150, 2, 128, 1, 0, 3),           # persistent, stream-K (every case cut)
+    (4, 1, 128, 4, None, 3),          # split
+    (8, 2, 64, 1, None, 9),           # one part a 64-column piece (FlashMLA's granularity), clusters of 2
+    (200, 1, 128, 1, None, 9),        # ... persistent
 ])
-def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles):
-    """mla_decode.KV_PARTS = 3 (each page as three 192-column parts on barriers of their own, S issued part by part
+def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles, parts):
+    """mla_decode.KV_PARTS = 3 or 9 (each page as column parts on barriers of their own, S issued part by part
     as they land): within the reference's tolerances on ragged lengths with empty and one-token requests
     (NaN-poisoned unused slots), and the same bits as one barrier a page (the k-blocks accumulate in the same
     order)."""
@@ -277,7 +279,7 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=5 * b + s_q)
     monkeypatch.setattr(cd, "KV_PARTS", 1)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    monkeypatch.setattr(cd, "KV_PARTS", 3)
+    monkeypatch.setattr(cd, "KV_PARTS", parts)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
                                                                     check.SCALE))
