@@ -147,8 +147,9 @@ class KVParts:
             pipe.consumer_release(state)
 
     def producer_tail(self, state: pipeline.PipelineState):
+        # each pipe's tail advances the state it is given through its stages: every pipe starts from a copy
         for pipe in self.pipes:
-            pipe.producer_tail(state)
+            pipe.producer_tail(state.clone())
 
 
 @cute.jit
