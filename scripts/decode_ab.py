@@ -60,6 +60,8 @@ switches, read at launch (so captured with each graph):
   BALANCED_ORDERED  cutedsl: CUTEDSL_BALANCED_SPLITS and GRID_ORDER_ALL together against neither
   KV_PARTS          cutedsl: the 16-bit kernel's pages as $DA_KV_PARTS (default 3) column parts with a full barrier
                     each, S issued part by part as they land, against one barrier a page
+  KV_SPLIT          cutedsl: the 16-bit kernel's pages as rope + two V halves, each freed by the consumer that reads
+                    it last, and S(t) issued before the wait for the other consumer's P(t-1), against the default
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -241,6 +243,7 @@ SWITCHES = {
     "GRID_ORDER_ALL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "GRID_ORDER_ALL")),
     "BALANCED_ORDERED": ("cutedsl", _balanced_ordered),
     "KV_PARTS": ("cutedsl", _kv_parts),
+    "KV_SPLIT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "KV_SPLIT")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

@@ -287,6 +287,33 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
+@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles", [
+    (8, 1, 64, 1, None),           # a grid of single CTAs
+    (8, 2, 64, 1, None),           # a grid, clusters of 2 (each CTA multicasts its rows of every box)
+    (5, 3, 16, 1, None),           # 16 heads padded to a 64-row tile, s_q 3
+    (200, 1, 128, 1, None),        # persistent, tickets
+    (150, 2, 128, 1, 0),           # persistent, stream-K (every case cut)
+    (4, 1, 128, 4, None),          # split
+])
+def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles):
+    """mla_decode.KV_SPLIT (each page as its rope columns and V's two halves, each freed by the consumer that reads
+    it last; S(t) issued before the wait for the other consumer's P(t-1)): within the reference's tolerances on
+    ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and close to the default kernel
+    (S's k-blocks accumulate in another order)."""
+    if min_tiles is not None:
+        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=7 * b + s_q)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, "KV_SPLIT", True)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, lse0, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
                                          (64, 1, True)])
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):

@@ -259,6 +259,11 @@ SPEC_EXP = True
 # 64-column piece of a page; 1: one barrier a page. The H200's counters put 32% of our consumers' samples at the wait
 # for the other's P and 10.6% at the wait for a whole page (bench/NOTES.md 107). Prepared, not yet run on a GPU
 KV_PARTS = 1
+# 16-bit KV: each page as its rope columns and V's two halves, each freed by the one consumer that reads it last (the
+# rope after S, a half after its consumer's P V), and S(t) issued before the wait for the other consumer's P(t-1), its
+# rope and own half first (mla_decode_kernel._seesaw_split): FlashMLA's schedule issues the next tile's S while the
+# softmax runs and refills each piece of a page once read (bench/NOTES.md 107). Prepared, not yet run on a GPU
+KV_SPLIT = False
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -389,6 +394,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                 "spec_exp": SPEC_EXP}
     if not kv_fp8 and KV_PARTS != 1:
         seesaw["kv_parts"] = KV_PARTS
+    if not kv_fp8 and KV_SPLIT:
+        seesaw["kv_split"] = True
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:

@@ -89,8 +89,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
-    BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, KVParts, issue_mma,
-    issue_mma_by_part, tile_state,
+    BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, KVParts, KVSplit,
+    issue_k_blocks, issue_mma, issue_mma_by_part, tile_state,
     other_tile_pv, other_tile_pv_issue, publish_row_sums, seesaw_operands, seesaw_tiled_mmas, speculative_p,
     take_row_sums)
 from mlaserve.kernels.cutedsl.split_consumers import (exp_p, finish_rows, fold_row_max, quad_row_max, scale_rows,
@@ -147,6 +147,16 @@ def grid_request(bz: Int32, mLse: cute.Tensor, mPO: cute.Tensor, ordered: bool, 
     return mLse[bz] if is_split else mPO[bz]
 
 
+def s_part_blocks(w: int, first: bool) -> tuple:
+    """kv_split: the k-blocks (16 columns each) of S's part issued by consumer w, as a static tuple: first the rope's
+    (columns 512..575) and V half w's, then V's other half."""
+    per_half = HALF_V // 16
+    own = tuple(range(w * per_half, (w + 1) * per_half))
+    if first:
+        return tuple(range(D_V // 16, D_QK // 16)) + own
+    return tuple(range((1 - w) * per_half, (2 - w) * per_half))
+
+
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
     """The smallest number of keys any row sees (tiles that end before it need no mask)."""
     return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
@@ -159,7 +169,8 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, is_split: bool, cluster: int = 1, persistent: bool = False,
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
-                 tree_max: bool = False, spec_exp: bool = False, ordered: bool = False, kv_parts: int = 1):
+                 tree_max: bool = False, spec_exp: bool = False, ordered: bool = False, kv_parts: int = 1,
+                 kv_split: bool = False):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -206,6 +217,15 @@ class MLADecodeSm90:
         if kv_parts < 1 or D_QK % (64 * kv_parts):
             raise ValueError(f"kv_parts must split the {D_QK} columns into whole 64-column blocks, got {kv_parts}")
         self.kv_parts = kv_parts
+        # each page as its rope columns and V's two halves, each freed by the consumer that reads it last, and S(t)
+        # issued before the wait for the other consumer's P(t-1) (mla_decode.KV_SPLIT); loads 64-column pieces
+        self.kv_split = kv_split
+        if kv_split and kv_parts != 1:
+            raise ValueError(f"kv_split loads its own parts, got kv_parts={kv_parts}")
+        # TMA boxes a page is loaded in (one barrier each for kv_parts, grouped by kv_split's parts)
+        self.kv_boxes = D_QK // 64 if kv_split else kv_parts
+        # mbarriers of the KV ring: full and empty per stage and part (kv_split: rope + two halves a stage)
+        self.kv_barriers = NUM_STAGES * 2 * (3 if kv_split else kv_parts)
         if ordered and persistent:
             raise ValueError("ordered is an order of a grid launch's requests (persistent launches have their own)")
 
@@ -263,10 +283,10 @@ class MLADecodeSm90:
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (TILE_M, D_QK))
-        if const_expr(self.kv_parts > 1):
+        if const_expr(self.kv_boxes > 1):
             # one column part of a page (of a cluster CTA's share of its rows): rows 0.. and columns 0.. of a stage's
             # [64, 576] layout, whole 64-column pieces of the 128-byte swizzle
-            box = (TILE_N // self.cluster, D_QK // self.kv_parts)
+            box = (TILE_N // self.cluster, D_QK // self.kv_boxes)
             part = cute.composition(cute.slice_(sKV_layout, (None, None, 0)),
                                     cute.make_layout(box, stride=(1, TILE_N)))
             op = tma_op if const_expr(self.cluster == 1) else cpasync.CopyBulkTensorTileG2SMulticastOp()
@@ -287,7 +307,7 @@ class MLADecodeSm90:
 
         @cute.struct
         class SharedStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2 * self.kv_parts]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_barriers]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
@@ -297,7 +317,7 @@ class MLADecodeSm90:
 
         @cute.struct
         class PersistentStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2 * self.kv_parts]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_barriers]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             item_mbar: cute.struct.MemRange[cutlass.Int64, ITEM_STAGES * 2]
             chan_mbar: cute.struct.MemRange[cutlass.Int64, 2]     # cluster rank 0 -> r: full (in r), empty (in 0)
@@ -352,13 +372,25 @@ class MLADecodeSm90:
         # 8 consumer warps each arrive once on a stage's empty barrier (one elected lane per warp): both
         # consumers read every tile's V. In a cluster, lane r of each warp arrives on CTA r's barrier: a
         # stage is free once every CTA's consumers are done with it, since every CTA's load writes into all.
-        kv_pipes = [pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_mbar.data_ptr() + part * NUM_STAGES * 2, num_stages=NUM_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster * CONSUMER_THREADS // 32),
-            tx_count=TILE_N * (D_QK // self.kv_parts) * self.dtype.width // 8,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1))) for part in range(self.kv_parts)]
-        kv_pipe = kv_pipes[0] if const_expr(self.kv_parts == 1) else KVParts(tuple(kv_pipes))
+        if const_expr(self.kv_split):
+            # each part is freed by one consumer warpgroup (4 warps a CTA of the cluster): the rope's NUM_STAGES
+            # barrier pairs, then the halves' 2 * NUM_STAGES
+            one_consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster * CONSUMER_THREADS // 64)
+            kv_pipe = KVSplit(*(pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.kv_mbar.data_ptr() + offset, num_stages=stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=one_consumer,
+                tx_count=TILE_N * cols * self.dtype.width // 8,
+                cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)))
+                for offset, stages, cols in ((0, NUM_STAGES, D_QK - D_V), (2 * NUM_STAGES, 2 * NUM_STAGES, HALF_V))))
+        else:
+            kv_pipes = [pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.kv_mbar.data_ptr() + part * NUM_STAGES * 2, num_stages=NUM_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.cluster * CONSUMER_THREADS // 32),
+                tx_count=TILE_N * (D_QK // self.kv_parts) * self.dtype.width // 8,
+                cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1))) for part in range(self.kv_parts)]
+            kv_pipe = kv_pipes[0] if const_expr(self.kv_parts == 1) else KVParts(tuple(kv_pipes))
         q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -389,9 +421,9 @@ class MLADecodeSm90:
                     sKV_load = cute.local_tile(sKV, (TILE_N // self.cluster, D_QK, NUM_STAGES), (rank, 0, 0))
                 # [64 / c, 576, c * pages] for clusters of c CTAs: CTA r loads tile c * p + r of page p
                 gKV = cute.local_tile(mKV_tma, (TILE_N // self.cluster, D_QK), (None, 0))
-                if const_expr(self.kv_parts > 1):
-                    # [rows, 576 / parts, stage, part] and [rows, 576 / parts, c * pages, part]
-                    box = (TILE_N // self.cluster, D_QK // self.kv_parts)
+                if const_expr(self.kv_boxes > 1):
+                    # [rows, 576 / boxes, stage, box] and [rows, 576 / boxes, c * pages, box]
+                    box = (TILE_N // self.cluster, D_QK // self.kv_boxes)
                     parts = cute.local_tile(sKV, (*box, 1), (rank, None, None))   # [rows, cols, 1, part, stage]
                     sKV_load = cute.make_tensor(parts.iterator, cute.select(parts.layout, mode=[0, 1, 4, 3]))
                     gKV = cute.local_tile(mKV_tma, box, (None, None))
@@ -509,7 +541,12 @@ class MLADecodeSm90:
         first_page = start // TILE_N
         for t in cutlass.range(n_tiles, unroll=1):
             page = mBT[batch, first_page + t]
-            if const_expr(self.kv_parts > 1):
+            if const_expr(self.kv_split):
+                if const_expr(self.trace):
+                    if cute.arch.lane_idx() == 0 and t == 0:
+                        self._trace(mSched, trace_slot, T_PAGE0, cute.arch.clock())
+                self._produce_split(tma_kv, tKVs, tKVg, kv_pipe, kv_state, self.cluster * page + rank)
+            elif const_expr(self.kv_parts > 1):
                 if const_expr(self.trace):
                     if cute.arch.lane_idx() == 0 and t == 0:
                         self._trace(mSched, trace_slot, T_PAGE0, cute.arch.clock())
@@ -547,6 +584,33 @@ class MLADecodeSm90:
                           mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
 
     @cute.jit
+    def _produce_split(self, tma_kv: cute.CopyAtom, tKVs: cute.Tensor, tKVg: cute.Tensor, kv_pipe: KVSplit, kv_state,
+                       tile: Int32):
+        """One page's loads for kv_split (KVSplit): the rope columns, then the half of V the stage's owner reads (the
+        owner of ring stage s is consumer s), then the other half, each part as soon as it is free, in 64-column
+        boxes. `tile`: the page's row tile in the [64 / cluster, 576] tiling of the cache (c * page + rank)."""
+        mask = cutlass.Int16((1 << self.cluster) - 1)
+        kv_pipe.rope.producer_acquire(kv_state)
+        self._load_box(tma_kv, tKVs, tKVg, tile, kv_state.index, D_V // 64, kv_pipe.rope.producer_get_barrier(kv_state),
+                       mask)
+        for j in cutlass.range_constexpr(2):
+            w = kv_state.index ^ j
+            half = kv_pipe.half_state(kv_state, w)
+            kv_pipe.halves.producer_acquire(half)
+            for b in cutlass.range_constexpr(HALF_V // 64):
+                self._load_box(tma_kv, tKVs, tKVg, tile, kv_state.index, w * (HALF_V // 64) + b,
+                               kv_pipe.halves.producer_get_barrier(half), mask)
+
+    @cute.jit
+    def _load_box(self, tma_kv: cute.CopyAtom, tKVs: cute.Tensor, tKVg: cute.Tensor, tile: Int32, stage: Int32,
+                  box: Int32, barrier, mask):
+        """One 64-column box of a page into ring stage `stage`, completing on `barrier` (multicast in clusters)."""
+        if const_expr(self.cluster == 1):
+            cute.copy(tma_kv, tKVg[None, tile, box], tKVs[None, stage, box], tma_bar_ptr=barrier)
+        else:
+            cute.copy(tma_kv, tKVg[None, tile, box], tKVs[None, stage, box], tma_bar_ptr=barrier, mcast_mask=mask)
+
+    @cute.jit
     def _consume_item(self, kv_pipe, q_pipe, q_state, ops, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                       tiled_mma_pv_rs: cute.TiledMma, sKV: cute.Tensor, sMax: cute.Tensor, sSum: cute.Tensor,
                       mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, cw: Int32, ctid: Int32,
@@ -580,101 +644,63 @@ class MLADecodeSm90:
         if const_expr(self.persistent):
             first = (cw + g) % 2
         lazy = self.lazy_rescale
-        for t in cutlass.range(first, n_tiles, 2, unroll=1):
-            tok0 = start + t * TILE_N
-            own = tile_state(g + t)
-            if t > 0:
-                # -- a, b: the other consumer's tile t - 1 into this half of O --
-                if const_expr(self.cluster > 1):
-                    # issued, not waited for: S below is queued right behind it
-                    other_tile_pv_issue(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, sMax, r0, row_m, row_l,
-                                        acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
-                else:
-                    other_tile_pv(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
-                                  r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
-            # -- c: S = Q K_t^T --
-            if const_expr(self.kv_parts > 1):
-                issue_mma_by_part(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], kv_pipe.pipes, own)
-            else:
-                kv_pipe.consumer_wait(own)
-                issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
-            if const_expr(self.cluster > 1):
-                # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
-                warpgroup.wait_group(1)
+        if const_expr(self.kv_split):
+            self._seesaw_split(kv_pipe, ops, tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs, sKV, sMax, sSum, mT, cw,
+                               ctid, r0, vis, row_m, row_l, min_vis, seqlen, start, n_tiles, g, first, q_state.phase,
+                               scale_log2, trace_slot)
+        else:
+            for t in cutlass.range(first, n_tiles, 2, unroll=1):
+                tok0 = start + t * TILE_N
+                own = tile_state(g + t)
                 if t > 0:
-                    kv_pipe.consumer_release(tile_state(g + t - 1))
-            warpgroup.wait_group(0)
-            # -- d: mask, running max, P --
-            if const_expr(not self.fold_scale):
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[i] = acc_s[i] * scale_log2
-            if tok0 + TILE_N > min_vis:
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    if tok0 + tScS[i][1] >= vis[(i // 2) % 2]:
-                        acc_s[i] = -Float32.inf
-            if const_expr(self.spec_exp):
-                alpha = speculative_p(acc_s, row_m, row_l, rP, tPsP, scale_log2, self.tree_max)
-            else:
-                mx = cute.make_rmem_tensor(2, Float32)
-                if const_expr(self.fold_scale):
-                    # the scale is positive: the max of the unscaled S, scaled, is the max of the scaled
-                    mx[0] = -Float32.inf
-                    mx[1] = -Float32.inf
+                    # -- a, b: the other consumer's tile t - 1 into this half of O --
+                    if const_expr(self.cluster > 1):
+                        # issued, not waited for: S below is queued right behind it
+                        other_tile_pv_issue(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, sMax, r0, row_m, row_l,
+                                            acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
+                    else:
+                        other_tile_pv(cw, tile_state(g + t - 1), kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax,
+                                      r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
+                # -- c: S = Q K_t^T --
+                if const_expr(self.kv_parts > 1):
+                    issue_mma_by_part(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], kv_pipe.pipes, own)
                 else:
-                    mx[0] = row_m[0]
-                    mx[1] = row_m[1]
-                fold_row_max(acc_s, mx, self.tree_max)
-                if const_expr(self.fold_scale):
-                    for hr in cutlass.range_constexpr(2):
-                        mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)
-                alpha, m_base = quad_row_max(mx, row_m, row_l, lazy)
-                exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
-            # -- e: publish P(t), m(t) --
-            if const_expr(not self.spec_exp):
-                cute.autovec_copy(rP, tPsP)      # (speculative_p stores its own)
-            if ctid % 4 == 0:
-                sMax[r0] = row_m[0]
-                sMax[r0 + 8] = row_m[1]
-            if tok0 + TILE_N > seqlen:
-                # cache rows past the request's end: zero all 512 V columns of this tile (NaN * 0 is NaN)
-                for k in cutlass.range(seqlen - tok0, TILE_N, unroll=1):
-                    for c in cutlass.range_constexpr(D_V // 128):
-                        sKV[k, c * 128 + ctid, own.index] = sKV.element_type(0.0)
-            # generic-proxy smem writes (P, zeroed V) become visible to wgmma's async proxy
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
-            if const_expr(self.early_sums):
-                if t == n_tiles - 1:
-                    # this consumer's row sums are final (the last tile is its own): out to the other one now
-                    publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
-            if tok0 + TILE_N > seqlen:
-                # this consumer's own P V below reads V rows its other threads zeroed
-                cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
-            # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-            rescale_rows(acc_o, alpha, lazy)
-            issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
-            warpgroup.wait_group(0)
-            kv_pipe.consumer_release(own)
-            if const_expr(self.trace):
-                if ctid == 0 and t < first + 2:
-                    self._trace(mT, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
-
-        if const_expr(self.trace):
-            if ctid == 0:
-                self._trace(mT, trace_slot, T_LOOP + 4 * cw, cute.arch.clock())
-        # the last tile is the other consumer's: its P into this half of O, this consumer's row sums (final once
-        # rescaled to that tile's max) published while the wgmma runs
-        if n_tiles > 0 and (g + n_tiles - 1) % 2 != cw:
-            last = tile_state(g + n_tiles - 1)
-            if const_expr(self.early_sums):
-                other_tile_pv_issue(cw, last, kv_pipe.consumer_wait, sMax, r0, row_m, row_l, acc_o, tiled_mma_pv,
-                                    tOrPs, tOrV, lazy)
-                publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
+                    kv_pipe.consumer_wait(own)
+                    issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)
+                if const_expr(self.cluster > 1):
+                    # b's wgmma ran ahead of S in the same queue: wait for it and free its stage
+                    warpgroup.wait_group(1)
+                    if t > 0:
+                        kv_pipe.consumer_release(tile_state(g + t - 1))
                 warpgroup.wait_group(0)
-                kv_pipe.consumer_release(last)
-            else:
-                other_tile_pv(cw, last, kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0, row_m, row_l,
-                              acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
+                # -- d, e: mask, running max, P; publish P(t), m(t) --
+                alpha = self._own_tile_softmax(acc_s, row_m, row_l, rP, tPsP, tScS, vis, sMax, sSum, sKV, tok0, min_vis,
+                                               seqlen, own.index, t, n_tiles, r0, cw, ctid, q_state.phase, scale_log2)
+                # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
+                rescale_rows(acc_o, alpha, lazy)
+                issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(own)
+                if const_expr(self.trace):
+                    if ctid == 0 and t < first + 2:
+                        self._trace(mT, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
+
+            if const_expr(self.trace):
+                if ctid == 0:
+                    self._trace(mT, trace_slot, T_LOOP + 4 * cw, cute.arch.clock())
+            # the last tile is the other consumer's: its P into this half of O, this consumer's row sums (final once
+            # rescaled to that tile's max) published while the wgmma runs
+            if n_tiles > 0 and (g + n_tiles - 1) % 2 != cw:
+                last = tile_state(g + n_tiles - 1)
+                if const_expr(self.early_sums):
+                    other_tile_pv_issue(cw, last, kv_pipe.consumer_wait, sMax, r0, row_m, row_l, acc_o, tiled_mma_pv,
+                                        tOrPs, tOrV, lazy)
+                    publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
+                    warpgroup.wait_group(0)
+                    kv_pipe.consumer_release(last)
+                else:
+                    other_tile_pv(cw, last, kv_pipe.consumer_wait, kv_pipe.consumer_release, sMax, r0, row_m, row_l,
+                                  acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
         if const_expr(self.early_sums):
             if n_tiles == 0:
                 publish_row_sums(row_l, sSum, r0, cw, ctid, q_state.phase)
@@ -714,6 +740,136 @@ class MLADecodeSm90:
                 scale_rows(acc_o, inv_l)
                 self._store_o(acc_o, tiled_mma_pv, tOcO, mOut, mPO, cw, ctid, batch, split, m_block, rows, full)
             store_dense_lse(lse, mLse, mPL, batch, split, m_block, rows, r0, cw, ctid, self.is_split)
+
+    @cute.jit
+    def _seesaw_split(self, kv_pipe: KVSplit, ops, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                      tiled_mma_pv_rs: cute.TiledMma, sKV: cute.Tensor, sMax: cute.Tensor, sSum: cute.Tensor,
+                      mT: cute.Tensor, cw: Int32, ctid: Int32, r0: Int32, vis: cute.Tensor, row_m: cute.Tensor,
+                      row_l: cute.Tensor, min_vis: Int32, seqlen: Int32, start: Int32, n_tiles: Int32, g, first,
+                      parity: Int32, scale_log2: Float32, trace_slot: Int32):
+        """The seesaw's tiles on kv_split's ring (KVSplit), S issued before the wait for the other consumer's P. One
+        own tile t of consumer w, in order:
+          c1. wait for the rope columns and V's half w of tile t; issue their k-blocks of S(t) (both were freed by
+              this consumer, so they land first)
+          a, b. wait for P(t-1) and m(t-1); O_w rescaled; issue O_w += P(t-1) V_{t-1,w} (S(t)'s first part runs
+              meanwhile, and before that while the other consumer's softmax(t-1) runs)
+          c2. wait for the other half; issue its k-blocks of S(t); wait for all: free half w of tile t-1 and the rope
+              columns of tile t
+          d, e. softmax(t), publish P(t), m(t) (as in the default order)
+          f. O_w rescaled; O_w += P(t) V_{t,w}; wait; free half w of tile t.
+        Each part is freed by the one consumer that reads it last, so a page's refill starts part by part instead of
+        after both consumers' P V."""
+        (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
+        lazy = self.lazy_rescale
+        for t in cutlass.range(first, n_tiles, 2, unroll=1):
+            tok0 = start + t * TILE_N
+            own = tile_state(g + t)
+            prev = tile_state(g + t - 1)           # used only for t > 0
+            tSrK_t = tSrK[None, None, None, own.index]
+            # -- c1: the rope's and V half w's k-blocks of S(t) --
+            kv_pipe.rope.consumer_wait(own)
+            kv_pipe.wait_half(own, cw)
+            self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, True)
+            if t > 0:
+                # -- a, b: the other consumer's tile t - 1 into this half of O, issued behind S(t)'s first part --
+                other_tile_pv_issue(cw, prev, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l, acc_o,
+                                    tiled_mma_pv, tOrPs, tOrV, lazy)
+            # -- c2: the other half's k-blocks --
+            kv_pipe.wait_half(own, 1 - cw)
+            self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, False)
+            warpgroup.wait_group(0)
+            if t > 0:
+                kv_pipe.release_half(prev, cw)
+            kv_pipe.rope.consumer_release(own)
+            # -- d, e: mask, running max, P; publish P(t), m(t) --
+            alpha = self._own_tile_softmax(acc_s, row_m, row_l, rP, tPsP, tScS, vis, sMax, sSum, sKV, tok0, min_vis,
+                                           seqlen, own.index, t, n_tiles, r0, cw, ctid, parity, scale_log2)
+            # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
+            rescale_rows(acc_o, alpha, lazy)
+            issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
+            warpgroup.wait_group(0)
+            kv_pipe.release_half(own, cw)
+            if const_expr(self.trace):
+                if ctid == 0 and t < first + 2:
+                    self._trace(mT, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
+
+        if const_expr(self.trace):
+            if ctid == 0:
+                self._trace(mT, trace_slot, T_LOOP + 4 * cw, cute.arch.clock())
+        if n_tiles > 0 and (g + n_tiles - 1) % 2 != cw:
+            # the last tile is the other consumer's (as in the default order)
+            last = tile_state(g + n_tiles - 1)
+            other_tile_pv_issue(cw, last, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l, acc_o,
+                                tiled_mma_pv, tOrPs, tOrV, lazy)
+            if const_expr(self.early_sums):
+                publish_row_sums(row_l, sSum, r0, cw, ctid, parity)
+            warpgroup.wait_group(0)
+            kv_pipe.release_half(last, cw)
+
+    @cute.jit
+    def _issue_s_part(self, tiled_mma_qk: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                      cw: Int32, first: cutlass.Constexpr[bool]):
+        """kv_split's S in two committed groups: `first`, the rope's k-blocks then V half cw's (zeroing acc_s);
+        otherwise the other half's."""
+        if cw == 0:
+            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(0, first), first)
+        else:
+            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(1, first), first)
+
+    @cute.jit
+    def _own_tile_softmax(self, acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor,
+                          tPsP: cute.Tensor, tScS: cute.Tensor, vis: cute.Tensor, sMax: cute.Tensor, sSum: cute.Tensor,
+                          sKV: cute.Tensor, tok0: Int32, min_vis: Int32, seqlen: Int32, stage: Int32, t: Int32,
+                          n_tiles: Int32, r0: Int32, cw: Int32, ctid: Int32, parity: Int32, scale_log2: Float32):
+        """Steps d and e of the owner's tile t (in ring stage `stage`), S in acc_s: mask, running max, P into rP and
+        smem, m(t) into sMax, V rows past the request's end zeroed, "P(t) ready" -> alpha, O_w's rescale for f."""
+        # -- d: mask, running max, P --
+        if const_expr(not self.fold_scale):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * scale_log2
+        if tok0 + TILE_N > min_vis:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                if tok0 + tScS[i][1] >= vis[(i // 2) % 2]:
+                    acc_s[i] = -Float32.inf
+        if const_expr(self.spec_exp):
+            alpha = speculative_p(acc_s, row_m, row_l, rP, tPsP, scale_log2, self.tree_max)
+        else:
+            mx = cute.make_rmem_tensor(2, Float32)
+            if const_expr(self.fold_scale):
+                # the scale is positive: the max of the unscaled S, scaled, is the max of the scaled
+                mx[0] = -Float32.inf
+                mx[1] = -Float32.inf
+            else:
+                mx[0] = row_m[0]
+                mx[1] = row_m[1]
+            fold_row_max(acc_s, mx, self.tree_max)
+            if const_expr(self.fold_scale):
+                for hr in cutlass.range_constexpr(2):
+                    mx[hr] = cute.arch.fmax(row_m[hr], mx[hr] * scale_log2)
+            alpha, m_base = quad_row_max(mx, row_m, row_l, self.lazy_rescale)
+            exp_p(acc_s, m_base, row_l, rP, scale_log2 if const_expr(self.fold_scale) else None)
+        # -- e: publish P(t), m(t) --
+        if const_expr(not self.spec_exp):
+            cute.autovec_copy(rP, tPsP)      # (speculative_p stores its own)
+        if ctid % 4 == 0:
+            sMax[r0] = row_m[0]
+            sMax[r0 + 8] = row_m[1]
+        if tok0 + TILE_N > seqlen:
+            # cache rows past the request's end: zero all 512 V columns of this tile (NaN * 0 is NaN)
+            for k in cutlass.range(seqlen - tok0, TILE_N, unroll=1):
+                for c in cutlass.range_constexpr(D_V // 128):
+                    sKV[k, c * 128 + ctid, stage] = sKV.element_type(0.0)
+        # generic-proxy smem writes (P, zeroed V) become visible to wgmma's async proxy
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier_arrive(barrier_id=BAR_P_READY + cw, number_of_threads=CONSUMER_THREADS)
+        if const_expr(self.early_sums):
+            if t == n_tiles - 1:
+                # this consumer's row sums are final (the last tile is its own): out to the other one now
+                publish_row_sums(row_l, sSum, r0, cw, ctid, parity)
+        if tok0 + TILE_N > seqlen:
+            # this consumer's own P V below reads V rows its other threads zeroed
+            cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
+        return alpha
 
     @cute.jit
     def _store_o(self, acc_o: cute.Tensor, tiled_mma_pv: cute.TiledMma, tOcO: cute.Tensor, mOut: cute.Tensor,

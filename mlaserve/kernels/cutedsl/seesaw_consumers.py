@@ -152,6 +152,53 @@ class KVParts:
             pipe.producer_tail(state.clone())
 
 
+@dataclass(frozen=True)
+class KVSplit:
+    """The KV ring of mla_decode.KV_SPLIT: each page in three parts, each freed by the one consumer that reads it last,
+    so that the producer refills it while the rest of the page is still in use (FlashMLA frees and refills each
+    64-column piece of a page as soon as it is read, bench/NOTES.md 107):
+    - `rope`: columns 512..575 (the rope keys), NUM_STAGES stages, read only by the tile's S; freed by its owner
+      once S is done;
+    - `halves`: columns 256w..256w+255 (V's half w, also keys of S), 2 * NUM_STAGES barrier pairs, ring stage s's half
+      w at 2s + w; freed by consumer w once its P V of the tile is done (the owner's S, which also reads it, is
+      done before any P V of the tile starts).
+    The halves' states are made from the ring's (half_state): their phase flips with the ring's."""
+    rope: object
+    halves: object
+
+    def half_state(self, st: pipeline.PipelineState, w) -> pipeline.PipelineState:
+        return pipeline.PipelineState(2 * NUM_STAGES, st.count, 2 * st.index + w, st.phase)
+
+    def wait_half(self, st: pipeline.PipelineState, w):
+        self.halves.consumer_wait(self.half_state(st, w))
+
+    def release_half(self, st: pipeline.PipelineState, w):
+        self.halves.consumer_release(self.half_state(st, w))
+
+    def producer_tail(self, state: pipeline.PipelineState):
+        # every stage's last arrivals: the rope's, then both halves' (each tail advances its own copy)
+        self.rope.producer_tail(state.clone())
+        for w in range(2):
+            st = state.clone()
+            for _ in range(NUM_STAGES):
+                self.halves.sync_object_empty.wait(2 * st.index + w, st.phase)
+                st.advance()
+
+
+@cute.jit
+def issue_k_blocks(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, blocks,
+                   zero_init: cutlass.Constexpr[bool]):
+    """acc (+)= A B over the k-blocks `blocks` (a static sequence, in that order) as one committed wgmma group, not
+    waited for: S's parts of mla_decode.KV_SPLIT, each issued once its columns have landed."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in blocks:
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
 @cute.jit
 def issue_mma_by_part(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, pipes: tuple,
                       st: pipeline.PipelineState):
