@@ -677,13 +677,8 @@ class MLADecodeSm90:
                 alpha = self._own_tile_softmax(acc_s, row_m, row_l, rP, tPsP, tScS, vis, sMax, sSum, sKV, tok0, min_vis,
                                                seqlen, own.index, t, n_tiles, r0, cw, ctid, q_state.phase, scale_log2)
                 # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-                rescale_rows(acc_o, alpha, lazy)
-                issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
-                warpgroup.wait_group(0)
-                kv_pipe.consumer_release(own)
-                if const_expr(self.trace):
-                    if ctid == 0 and t < first + 2:
-                        self._trace(mT, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
+                self._own_tile_pv(acc_o, alpha, tiled_mma_pv_rs, tOrP, tOrV_rs, own, kv_pipe.consumer_release, mT,
+                                      trace_slot, t, first, cw, ctid)
 
             if const_expr(self.trace):
                 if ctid == 0:
@@ -785,13 +780,8 @@ class MLADecodeSm90:
             alpha = self._own_tile_softmax(acc_s, row_m, row_l, rP, tPsP, tScS, vis, sMax, sSum, sKV, tok0, min_vis,
                                            seqlen, own.index, t, n_tiles, r0, cw, ctid, parity, scale_log2)
             # -- f: O_w = alpha O_w + P(t) V_{t,w}, P from registers --
-            rescale_rows(acc_o, alpha, lazy)
-            issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
-            warpgroup.wait_group(0)
-            kv_pipe.release_half(own, cw)
-            if const_expr(self.trace):
-                if ctid == 0 and t < first + 2:
-                    self._trace(mT, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
+            self._own_tile_pv(acc_o, alpha, tiled_mma_pv_rs, tOrP, tOrV_rs, own,
+                                  lambda st: kv_pipe.release_half(st, cw), mT, trace_slot, t, first, cw, ctid)
 
         if const_expr(self.trace):
             if ctid == 0:
@@ -815,6 +805,20 @@ class MLADecodeSm90:
             issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(0, first), first)
         else:
             issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(1, first), first)
+
+    @cute.jit
+    def _own_tile_pv(self, acc_o: cute.Tensor, alpha: cute.Tensor, tiled_mma_pv_rs: cute.TiledMma, tOrP: cute.Tensor,
+                     tOrV_rs: cute.Tensor, own, release, mT: cute.Tensor, trace_slot: Int32, t: Int32, first,
+                     cw: Int32, ctid: Int32):
+        """Step f of the owner's tile (state `own`): O_w = alpha O_w + P(t) V_{t,w} with P from registers, waited;
+        then `release(own)` frees what this consumer read of the stage."""
+        rescale_rows(acc_o, alpha, self.lazy_rescale)
+        issue_mma(tiled_mma_pv_rs, acc_o, tOrP, tOrV_rs[None, None, None, own.index], False)
+        warpgroup.wait_group(0)
+        release(own)
+        if const_expr(self.trace):
+            if ctid == 0 and t < first + 2:
+                self._trace(mT, trace_slot, T_FIRST + 4 * cw, cute.arch.clock())
 
     @cute.jit
     def _own_tile_softmax(self, acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, rP: cute.Tensor,
