@@ -26,6 +26,13 @@ _spec.loader.exec_module(check)
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
 
 
+def assert_reference(out, lse, q, kv, table, seqlens, what: str = ""):
+    """out and lse within the FlashMLA-like tolerances of the float64 reference on the same inputs."""
+    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
+                                                                    check.SCALE))
+    assert ok, f"{what}max abs err {max_err:.2e}: {why}"
+
+
 @pytest.mark.parametrize("case", list(check.cases(quick=False)),
                          ids=lambda c: f"b{len(c['lens'])}-sq{c['s_q']}-h{c['h']}-{str(c['dtype'])[6:]}"
                                        f"-causal{c['causal']}-splits{c.get('num_splits')}")
@@ -48,9 +55,7 @@ def test_every_cluster_size_matches_reference(monkeypatch, cluster, num_splits):
     q, kv, table, seqlens = check.make_case(lens, 2, 128, torch.bfloat16, seed=cluster)
     monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"cluster {cluster}, {num_splits} splits: max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens, f"cluster {cluster}, {num_splits} splits: ")
 
 
 @pytest.mark.parametrize("b, s_q, h, cluster, dtype", [
@@ -73,9 +78,7 @@ def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dt
     assert cd.persistent_clusters(b, s_q * h, False, False, c, q.device) > 0, "the case must run persistent"
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
     assert torch.equal(cd.scheduler_counters(q.device).cpu(), torch.zeros(2, dtype=torch.int32))
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens)
     out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     # requests taken in batch order instead of longest first: each item's result is its own, bit for bit
@@ -101,9 +104,7 @@ def test_requests_ranked_in_the_kernel_give_the_order_kernels_bits(monkeypatch, 
     c = cd.cluster_size(s_q * h, False)
     assert cd.persistent_clusters(b, s_q * h, False, False, c, q.device) > 0, "the case must run persistent"
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens)
     monkeypatch.setattr(cd, "RANK_ORDER", False)
     out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
@@ -166,9 +167,7 @@ def test_16_byte_stores_equal_the_accumulator_layout_stores(monkeypatch, b, s_q,
     monkeypatch.setattr(cd, "STORE_16B", False)
     out4, lse4 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     assert torch.equal(out, out4) and torch.equal(lse, lse4)
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens)
 
 
 @pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles", [
@@ -188,9 +187,7 @@ def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, m
     monkeypatch.setattr(cd, "EARLY_SUMS", not cd.EARLY_SUMS)
     out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens)
 
 
 SEESAW_SWITCHES = ("LAZY_RESCALE", "FOLD_SCALE", "TREE_MAX")
@@ -251,9 +248,7 @@ def test_speculative_p_matches_reference(monkeypatch, b, s_q, h, num_splits, min
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "SPEC_EXP", True)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens)
     torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
 
@@ -281,9 +276,7 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "KV_PARTS", parts)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens)
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
@@ -307,9 +300,7 @@ def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "KV_SPLIT", True)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    ok, max_err, why = check.compare(out, lse, *reference.mla_decode(q.double(), kv.double(), table, seqlens,
-                                                                    check.SCALE))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert_reference(out, lse, q, kv, table, seqlens)
     torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, lse0, rtol=1e-4, atol=1e-4)
 

@@ -222,13 +222,7 @@ def issue_mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCr
               zero_init: cutlass.Constexpr[bool]):
     """acc (+)= A B over all k-blocks as one committed wgmma group, not waited for (the caller waits
     with warpgroup.wait_group before it reads acc or reuses the operands' smem)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
+    issue_k_blocks(tiled_mma, acc, tCrA, tCrB, tuple(range(cute.size(tCrA.shape[2]))), zero_init)
 
 
 @cute.jit
