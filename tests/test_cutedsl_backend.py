@@ -81,6 +81,17 @@ def test_cluster_size_groups_the_row_tiles_of_a_request(rows, kv_fp8, want):
     assert cd.cluster_size(rows, kv_fp8) == want
 
 
+@pytest.mark.parametrize("rows, kv_split, want", [
+    (16, True, (3, False)), (64, True, (3, False)), (128, True, (3, False)),
+    (256, True, (1, True)), (512, True, (1, True)), (256, False, (3, False))])
+def test_kv_ring_splits_pages_by_consumer_from_256_rows(monkeypatch, rows, kv_split, want):
+    """KV_SPLIT's ring where a request has KV_SPLIT_MIN_ROWS (256) rows or more, KV_PARTS column parts below it."""
+    monkeypatch.setattr(cd, "KV_SPLIT", kv_split)
+    monkeypatch.setattr(cd, "KV_PARTS", 3)
+    monkeypatch.setattr(cd, "KV_SPLIT_MIN_ROWS", 256)
+    assert cd.kv_ring(rows) == want
+
+
 @pytest.mark.parametrize("rows, want", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 0), (128, 0)])
 def test_fp8_requests_of_few_rows_take_the_keys_on_m_kernel(rows, want):
     assert cd.fp8_narrow_cols(rows) == want

@@ -272,6 +272,7 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=5 * b + s_q)
+    monkeypatch.setattr(cd, "KV_SPLIT", False)      # the default at 256 rows and more
     monkeypatch.setattr(cd, "KV_PARTS", 1)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "KV_PARTS", parts)
@@ -291,14 +292,16 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
 def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles):
     """mla_decode.KV_SPLIT (each page as its rope columns and V's two halves, each freed by the consumer that reads
     it last; S(t) issued before the wait for the other consumer's P(t-1)): within the reference's tolerances on
-    ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and close to the default kernel
-    (S's k-blocks accumulate in another order)."""
+    ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and close to the kernel without it
+    (S's k-blocks accumulate in another order); at every row count, not only from KV_SPLIT_MIN_ROWS."""
     if min_tiles is not None:
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=7 * b + s_q)
+    monkeypatch.setattr(cd, "KV_SPLIT", False)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "KV_SPLIT", True)
+    monkeypatch.setattr(cd, "KV_SPLIT_MIN_ROWS", 0)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     assert_reference(out, lse, q, kv, table, seqlens)
     torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)

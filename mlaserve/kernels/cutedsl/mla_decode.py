@@ -254,16 +254,22 @@ TREE_MAX = True
 # so that the MUFU stream of the owner's softmax starts right after S. On the H200 (bench/NOTES.md 98, sustained
 # clock) 0.7-2.0% faster at b128 h128 / h64 (s_q 1 and 2), level at b4 (False: for A/B runs)
 SPEC_EXP = True
-# 16-bit KV: each page loaded as KV_PARTS column parts (3: 192 columns each), each part on a full barrier of its own,
-# and S = Q K^T issued part by part as they land (seesaw_consumers.issue_mma_by_part), as FlashMLA waits on each
-# 64-column piece of a page; 1: one barrier a page. The H200's counters put 32% of our consumers' samples at the wait
-# for the other's P and 10.6% at the wait for a whole page (bench/NOTES.md 107). Prepared, not yet run on a GPU
-KV_PARTS = 1
-# 16-bit KV: each page as its rope columns and V's two halves, each freed by the one consumer that reads it last (the
-# rope after S, a half after its consumer's P V), and S(t) issued before the wait for the other consumer's P(t-1), its
-# rope and own half first (mla_decode_kernel._seesaw_split): FlashMLA's schedule issues the next tile's S while the
-# softmax runs and refills each piece of a page once read (bench/NOTES.md 107). Prepared, not yet run on a GPU
-KV_SPLIT = False
+# 16-bit KV, the page's ring (kv_ring picks one by a request's rows):
+# - KV_SPLIT: each page as its rope columns and V's two halves, each freed by the one consumer that reads it last
+#   (the rope after S, a half after its consumer's P V), and S(t) issued before the wait for the other consumer's
+#   P(t-1), its rope and own half first (mla_decode_kernel._seesaw_split): FlashMLA's schedule issues the next tile's
+#   S while the softmax runs and refills each piece of a page once read (bench/NOTES.md 107). Taken where a request
+#   has at least KV_SPLIT_MIN_ROWS query rows.
+# - else KV_PARTS column parts (3: 192 columns each), each on a full barrier of its own, S = Q K^T issued part by
+#   part as they land (seesaw_consumers.issue_mma_by_part), as FlashMLA waits on each 64-column piece; 1: one
+#   barrier a page. The same bits as one barrier a page.
+# On an H100 (bench/NOTES.md 110; decode_ab --sustain-ms 20, two runs of 10 and 20 rounds, b128): KV_SPLIT 1.037 /
+# 1.048x at h128 s_q2 4k (256 rows), 1.00-1.01x at h128 s_q1, 0.976-0.978x at 64 rows (h64 8k, h16 4k);
+# KV_PARTS = 3 1.033-1.035x at h128 s_q1 4k, 1.023-1.027x 8k, 1.027-1.031x h64 s_q2, 1.006-1.008x h128 s_q2, level
+# at 64 rows; KV_PARTS = 9 0.986-1.002x.
+KV_SPLIT = True
+KV_SPLIT_MIN_ROWS = 256
+KV_PARTS = 3
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -355,14 +361,23 @@ def uses_fp8_mma(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bo
             and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
+def kv_ring(rows: int) -> tuple[int, bool]:
+    """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring)."""
+    if KV_SPLIT and rows >= KV_SPLIT_MIN_ROWS:
+        return 1, True
+    return KV_PARTS, False
+
+
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
-            streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False):
+            streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False,
+            rows: int = TILE_M):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
     `ordered` (grid launches): the grid's request axis through an order of the requests.
-    `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it)."""
+    `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it).
+    `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -392,11 +407,9 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("early-refill",)
     seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
                                 "spec_exp": SPEC_EXP}
-    if not kv_fp8 and KV_PARTS != 1:
-        seesaw["kv_parts"] = KV_PARTS
-    if not kv_fp8 and KV_SPLIT:
-        seesaw["kv_split"] = True
-    key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
+    if not kv_fp8:
+        seesaw["kv_parts"], seesaw["kv_split"] = kv_ring(rows)
+    key += tuple(f"{name}={value}" for name, value in seesaw.items() if value and (name, value) != ("kv_parts", 1))
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
@@ -536,7 +549,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
-                 uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits))
+                 uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits), s_q * h)
     fn(*(_fp8_pointers(addresses, order is not None, split) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk, order is not None, split)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
