@@ -61,7 +61,8 @@ switches, read at launch (so captured with each graph):
   KV_PARTS          cutedsl: the 16-bit kernel's pages as $DA_KV_PARTS (default 3) column parts with a full barrier
                     each, S issued part by part as they land, against one barrier a page
   KV_SPLIT          cutedsl: the 16-bit kernel's pages as rope + two V halves, each freed by the consumer that reads
-                    it last, and S(t) issued before the wait for the other consumer's P(t-1), against the default
+                    it last, and S(t) issued before the wait for the other consumer's P(t-1) (the default from
+                    mla_decode.KV_SPLIT_MIN_ROWS rows), against KV_PARTS's ring
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
