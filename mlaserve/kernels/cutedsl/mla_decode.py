@@ -409,7 +409,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                 "spec_exp": SPEC_EXP}
     if not kv_fp8:
         seesaw["kv_parts"], seesaw["kv_split"] = kv_ring(rows)
-    key += tuple(f"{name}={value}" for name, value in seesaw.items() if value and (name, value) != ("kv_parts", 1))
+    key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:
         cutlass = importlib.import_module("cutlass")
