@@ -62,7 +62,8 @@ switches, read at launch (so captured with each graph):
                     each, S issued part by part as they land, against one barrier a page
   KV_SPLIT          cutedsl: the 16-bit kernel's pages as rope + two V halves, each freed by the consumer that reads
                     it last, and S(t) issued before the wait for the other consumer's P(t-1) (the default from
-                    mla_decode.KV_SPLIT_MIN_ROWS rows), against KV_PARTS's ring
+                    mla_decode.KV_SPLIT_MIN_ROWS rows; $DA_KV_SPLIT_MIN_ROWS sets it for the run), against
+                    KV_PARTS's ring
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -146,6 +147,15 @@ def _kv_parts(on: bool):
     (mla_decode.KV_PARTS), against one barrier a page."""
     importlib.import_module("mlaserve.kernels.cutedsl.mla_decode").KV_PARTS = (
         int(os.environ.get("DA_KV_PARTS", "3")) if on else 1)
+
+
+def _kv_split(on: bool):
+    """KV_SPLIT's ring from DA_KV_SPLIT_MIN_ROWS rows a request (default: the module's KV_SPLIT_MIN_ROWS), against
+    KV_PARTS's ring everywhere."""
+    cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    default = _kv_split.__dict__.setdefault("default", cd.KV_SPLIT_MIN_ROWS)
+    cd.KV_SPLIT = on
+    cd.KV_SPLIT_MIN_ROWS = int(os.environ.get("DA_KV_SPLIT_MIN_ROWS", default))
 
 
 def _balanced_ordered(on: bool):
@@ -244,7 +254,7 @@ SWITCHES = {
     "GRID_ORDER_ALL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "GRID_ORDER_ALL")),
     "BALANCED_ORDERED": ("cutedsl", _balanced_ordered),
     "KV_PARTS": ("cutedsl", _kv_parts),
-    "KV_SPLIT": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "KV_SPLIT")),
+    "KV_SPLIT": ("cutedsl", _kv_split),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 
