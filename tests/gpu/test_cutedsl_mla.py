@@ -285,7 +285,8 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
     (8, 1, 64, 1, None),           # a grid of single CTAs
     (8, 2, 64, 1, None),           # a grid, clusters of 2 (each CTA multicasts its rows of every box)
     (5, 3, 16, 1, None),           # 16 heads padded to a 64-row tile, s_q 3
-    (200, 1, 128, 1, None),        # persistent, tickets
+    (200, 1, 128, 1, None),        # persistent
+    (150, 2, 128, 1, -1),          # persistent, tickets (STREAM_K off), 256 rows: the default ring there
     (150, 2, 128, 1, 0),           # persistent, stream-K (every case cut)
     (4, 1, 128, 4, None),          # split
 ])
@@ -293,8 +294,12 @@ def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
     """mla_decode.KV_SPLIT (each page as its rope columns and V's two halves, each freed by the consumer that reads
     it last; S(t) issued before the wait for the other consumer's P(t-1)): within the reference's tolerances on
     ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and close to the kernel without it
-    (S's k-blocks accumulate in another order); at every row count, not only from KV_SPLIT_MIN_ROWS."""
-    if min_tiles is not None:
+    (S's k-blocks accumulate in another order); at every row count, not only from KV_SPLIT_MIN_ROWS. Persistent
+    ticket launches (min_tiles -1: STREAM_K off) give the same bits with the requests taken in batch order: which
+    consumer owns a tile then changes, and S must not depend on it."""
+    if min_tiles == -1:
+        monkeypatch.setattr(cd, "STREAM_K", False)
+    elif min_tiles is not None:
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
     lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=7 * b + s_q)
@@ -306,6 +311,12 @@ def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
     assert_reference(out, lse, q, kv, table, seqlens)
     torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, lse0, rtol=1e-4, atol=1e-4)
+    if min_tiles == -1:
+        c = cd.cluster_size(s_q * h, False)
+        assert cd.persistent_clusters(b, s_q * h, False, False, c, q.device) > 0, "the case must run persistent"
+        monkeypatch.setattr(cd, "LONGEST_FIRST", False)
+        out2, lse2 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),

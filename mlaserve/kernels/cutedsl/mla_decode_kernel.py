@@ -87,7 +87,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
-from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
+from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS, s_part_plan
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, KVParts, KVSplit,
     issue_k_blocks, issue_mma, issue_mma_by_part, tile_state,
@@ -145,16 +145,6 @@ def grid_request(bz: Int32, mLse: cute.Tensor, mPO: cute.Tensor, ordered: bool, 
     if not ordered:
         return bz
     return mLse[bz] if is_split else mPO[bz]
-
-
-def s_part_blocks(w: int, first: bool) -> tuple:
-    """kv_split: the k-blocks (16 columns each) of S's part issued by consumer w, as a static tuple: first the rope's
-    (columns 512..575) and V half w's, then V's other half."""
-    per_half = HALF_V // 16
-    own = tuple(range(w * per_half, (w + 1) * per_half))
-    if first:
-        return tuple(range(D_V // 16, D_QK // 16)) + own
-    return tuple(range((1 - w) * per_half, (2 - w) * per_half))
 
 
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
@@ -749,12 +739,14 @@ class MLADecodeSm90:
           a, b. wait for P(t-1) and m(t-1); O_w rescaled; issue O_w += P(t-1) V_{t-1,w} (S(t)'s first part runs
               meanwhile, and before that while the other consumer's softmax(t-1) runs)
           c2. wait for the other half; issue its k-blocks of S(t); wait for all: free half w of tile t-1 and the rope
-              columns of tile t
+              columns of tile t. S's k-blocks go to two accumulators, summed here, so that S has the same bits
+              whichever consumer owns the tile (s_part_plan)
           d, e. softmax(t), publish P(t), m(t) (as in the default order)
           f. O_w rescaled; O_w += P(t) V_{t,w}; wait; free half w of tile t.
         Each part is freed by the one consumer that reads it last, so a page's refill starts part by part instead of
         after both consumers' P V."""
         (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
+        acc_s1 = cute.make_fragment_like(acc_s)    # S's V half 1 k-blocks (s_part_plan)
         lazy = self.lazy_rescale
         for t in cutlass.range(first, n_tiles, 2, unroll=1):
             tok0 = start + t * TILE_N
@@ -764,15 +756,17 @@ class MLADecodeSm90:
             # -- c1: the rope's and V half w's k-blocks of S(t) --
             kv_pipe.rope.consumer_wait(own)
             kv_pipe.wait_half(own, cw)
-            self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, True)
+            self._issue_s_part(tiled_mma_qk, (acc_s, acc_s1), tSrQ, tSrK_t, cw, True)
             if t > 0:
                 # -- a, b: the other consumer's tile t - 1 into this half of O, issued behind S(t)'s first part --
                 other_tile_pv_issue(cw, prev, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l, acc_o,
                                     tiled_mma_pv, tOrPs, tOrV, lazy)
             # -- c2: the other half's k-blocks --
             kv_pipe.wait_half(own, 1 - cw)
-            self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, False)
+            self._issue_s_part(tiled_mma_qk, (acc_s, acc_s1), tSrQ, tSrK_t, cw, False)
             warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] + acc_s1[i]
             if t > 0:
                 kv_pipe.release_half(prev, cw)
             kv_pipe.rope.consumer_release(own)
@@ -797,14 +791,20 @@ class MLADecodeSm90:
             kv_pipe.release_half(last, cw)
 
     @cute.jit
-    def _issue_s_part(self, tiled_mma_qk: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                      cw: Int32, first: cutlass.Constexpr[bool]):
-        """kv_split's S in two committed groups: `first`, the rope's k-blocks then V half cw's (zeroing acc_s);
-        otherwise the other half's."""
+    def _issue_s_part(self, tiled_mma_qk: cute.TiledMma, acc: tuple, tSrQ: cute.Tensor, tSrK: cute.Tensor, cw: Int32,
+                      first: cutlass.Constexpr[bool]):
+        """kv_split's S, part `first` or the rest (s_part_plan), into the accumulators `acc` (two: S is their sum) as
+        one committed wgmma group."""
         if cw == 0:
-            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(0, first), first)
+            self._issue_s_plan(tiled_mma_qk, acc, tSrQ, tSrK, s_part_plan(0, first))
         else:
-            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(1, first), first)
+            self._issue_s_plan(tiled_mma_qk, acc, tSrQ, tSrK, s_part_plan(1, first))
+
+    @cute.jit
+    def _issue_s_plan(self, tiled_mma_qk: cute.TiledMma, acc: tuple, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                      plan: cutlass.Constexpr[tuple]):
+        for i, (a, blocks, zero_init) in enumerate(plan):
+            issue_k_blocks(tiled_mma_qk, acc[a], tSrQ, tSrK, blocks, zero_init, commit=i == len(plan) - 1)
 
     @cute.jit
     def _own_tile_pv(self, acc_o: cute.Tensor, alpha: cute.Tensor, tiled_mma_pv_rs: cute.TiledMma, tOrP: cute.Tensor,
