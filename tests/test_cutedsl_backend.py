@@ -92,24 +92,6 @@ def test_kv_ring_splits_pages_by_consumer_from_256_rows(monkeypatch, rows, kv_sp
     assert cd.kv_ring(rows) == want
 
 
-def test_kv_split_s_parts_accumulate_alike_for_either_owner():
-    """KV_SPLIT's S: each owner issues the rope's and its own V half's k-blocks first, then the rest, and every
-    k-block once; yet each accumulator takes the same k-blocks in the same order whoever owns the tile (so S, their
-    sum, has the same bits), and only an accumulator's first k-block zeroes it."""
-    rope = list(range(32, 36))
-    seqs = {}
-    for w in (0, 1):
-        first, rest = cd.s_part_plan(w, True), cd.s_part_plan(w, False)
-        assert sorted(k for _, blocks, _ in first for k in blocks) == sorted(rope + list(range(16 * w, 16 * w + 16)))
-        per_acc = {0: [], 1: []}
-        for acc, blocks, zero_init in first + rest:
-            assert zero_init == (not per_acc[acc])
-            per_acc[acc] += blocks
-        assert sorted(per_acc[0] + per_acc[1]) == list(range(36))
-        seqs[w] = per_acc
-    assert seqs[0] == seqs[1]
-
-
 @pytest.mark.parametrize("rows, want", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 0), (128, 0)])
 def test_fp8_requests_of_few_rows_take_the_keys_on_m_kernel(rows, want):
     assert cd.fp8_narrow_cols(rows) == want

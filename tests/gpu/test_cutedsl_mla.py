@@ -286,7 +286,7 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
     (8, 2, 64, 1, None),           # a grid, clusters of 2 (each CTA multicasts its rows of every box)
     (5, 3, 16, 1, None),           # 16 heads padded to a 64-row tile, s_q 3
     (200, 1, 128, 1, None),        # persistent
-    (150, 2, 128, 1, -1),          # persistent, tickets (STREAM_K off), 256 rows: the default ring there
+    (150, 2, 128, 1, -1),          # persistent, tickets (STREAM_K off), 256 rows (the default there): pad tiles
     (150, 2, 128, 1, 0),           # persistent, stream-K (every case cut)
     (4, 1, 128, 4, None),          # split
 ])

@@ -368,20 +368,6 @@ def kv_ring(rows: int) -> tuple[int, bool]:
     return KV_PARTS, False
 
 
-def s_part_plan(w: int, first: bool) -> tuple:
-    """kv_split: S's k-blocks (16 columns each) as consumer w issues them for a tile it owns, as static
-    (accumulator, k-blocks, zero_init) triples. `first`: the part issued before the wait for P(t-1), the rope's
-    columns (512..575) and V half w's (both freed by w itself, so they land first); otherwise the rest. Whoever owns
-    the tile, accumulator 0 takes the rope's k-blocks then V half 0's and accumulator 1 V half 1's, and S is their
-    sum: the same bits for either owner (a persistent CTA's owner of a tile depends on the tiles it ran before)."""
-    per_half = HEAD_DIM_V // 32
-    rope = tuple(range(HEAD_DIM_V // 16, D_QK // 16))
-    half0, half1 = tuple(range(per_half)), tuple(range(per_half, 2 * per_half))
-    if w == 0:
-        return ((0, rope + half0, True),) if first else ((1, half1, True),)
-    return ((0, rope, True), (1, half1, True)) if first else ((0, half0, False),)
-
-
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
             streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False,

@@ -87,7 +87,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
-from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS, s_part_plan
+from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     BAR_P_READY, BAR_SUM, CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, KVParts, KVSplit,
     issue_k_blocks, issue_mma, issue_mma_by_part, tile_state,
@@ -145,6 +145,16 @@ def grid_request(bz: Int32, mLse: cute.Tensor, mPO: cute.Tensor, ordered: bool, 
     if not ordered:
         return bz
     return mLse[bz] if is_split else mPO[bz]
+
+
+def s_part_blocks(w: int, first: bool) -> tuple:
+    """kv_split: the k-blocks (16 columns each) of S's part issued by consumer w, as a static tuple: first the rope's
+    (columns 512..575) and V half w's, then V's other half."""
+    per_half = HALF_V // 16
+    own = tuple(range(w * per_half, (w + 1) * per_half))
+    if first:
+        return tuple(range(D_V // 16, D_QK // 16)) + own
+    return tuple(range((1 - w) * per_half, (2 - w) * per_half))
 
 
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
@@ -212,6 +222,9 @@ class MLADecodeSm90:
         self.kv_split = kv_split
         if kv_split and kv_parts != 1:
             raise ValueError(f"kv_split loads its own parts, got kv_parts={kv_parts}")
+        # kv_split's ticket launches start every item on ring stage 0 (a pad tile where the CTA's tiles so far are
+        # odd): S's k-blocks go in its owner's order, so a tile's owner must not depend on the dynamic schedule
+        self.pad_items = kv_split and persistent and not streamk
         # TMA boxes a page is loaded in (one barrier each for kv_parts, grouped by kv_split's parts)
         self.kv_boxes = D_QK // 64 if kv_split else kv_parts
         # mbarriers of the KV ring: full and empty per stage and part (kv_split: rope + two halves a stage)
@@ -503,6 +516,11 @@ class MLADecodeSm90:
                     m_block_i = (item % pairs) * self.cluster + rank
                     seqlen_i = mSeqlens[batch_i]
                     n_tiles_i = (seqlen_i + TILE_N - 1) // TILE_N
+                    if const_expr(self.pad_items):
+                        pad = (g % 2) * cutlass.min(n_tiles_i, 1)
+                        for _ in cutlass.range(pad, unroll=1):
+                            self._pad_tile(kv_pipe, tile_state(g), cw)
+                        g = g + pad
                     ops[8].fill(0.0)     # acc_o
                     slot = item * self.cluster + rank     # this CTA's part of the item (traced launches)
                     self._trace_item(mPO, slot, cw, ctid, True)
@@ -518,8 +536,9 @@ class MLADecodeSm90:
     def _produce_item(self, tma_q: cute.CopyAtom, mQ_tma: cute.Tensor, tma_kv: cute.CopyAtom, tKVs: cute.Tensor,
                       tKVg: cute.Tensor, sQ: cute.Tensor, mBT: cute.Tensor, q_pipe, kv_pipe, q_state, kv_state,
                       batch: Int32, m_block: Int32, start: Int32, n_tiles: Int32, rank: Int32, mSched=None,
-                      trace_slot: Int32 = 0):
-        """The producer's loads for one (request, row tile, split): Q once, then its pages into the ring."""
+                      trace_slot: Int32 = 0, pad=0):
+        """The producer's loads for one (request, row tile, split): Q once, then its pages into the ring; with
+        `pad` (1, pad_items), its first page twice (the pad tile, _pad_tile)."""
         gQ = cute.local_tile(mQ_tma[None, None, batch], (TILE_M, D_QK), (m_block, 0))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))
@@ -529,8 +548,11 @@ class MLADecodeSm90:
                 self._trace(mSched, trace_slot, T_QLOAD, cute.arch.clock())
         cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
         first_page = start // TILE_N
-        for t in cutlass.range(n_tiles, unroll=1):
-            page = mBT[batch, first_page + t]
+        for t in cutlass.range(n_tiles + pad, unroll=1):
+            if const_expr(self.pad_items):
+                page = mBT[batch, first_page + cutlass.max(t - pad, 0)]
+            else:
+                page = mBT[batch, first_page + t]
             if const_expr(self.kv_split):
                 if const_expr(self.trace):
                     if cute.arch.lane_idx() == 0 and t == 0:
@@ -599,6 +621,21 @@ class MLADecodeSm90:
             cute.copy(tma_kv, tKVg[None, tile, box], tKVs[None, stage, box], tma_bar_ptr=barrier)
         else:
             cute.copy(tma_kv, tKVg[None, tile, box], tKVs[None, stage, box], tma_bar_ptr=barrier, mcast_mask=mask)
+
+    @cute.jit
+    def _pad_tile(self, kv_pipe: KVSplit, st: pipeline.PipelineState, cw: Int32):
+        """A pad tile of pad_items (ring state st, stage 1, owned by consumer 1): the page the producer loaded is
+        waited for and freed unread, so that the item's tiles start on stage 0 with consumer 0 as their first owner.
+        Consumer 0 owned the tile before (the last of an earlier item) and owns the next: it waits for consumer 1's
+        "P ready" of the pad, which comes after consumer 1's last read of P and m, before it writes them again."""
+        kv_pipe.wait_half(st, cw)
+        kv_pipe.release_half(st, cw)
+        if cw == 1:
+            kv_pipe.rope.consumer_wait(st)
+            kv_pipe.rope.consumer_release(st)
+            cute.arch.barrier_arrive(barrier_id=BAR_P_READY + 1, number_of_threads=CONSUMER_THREADS)
+        else:
+            cute.arch.barrier(barrier_id=BAR_P_READY + 1, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
     def _consume_item(self, kv_pipe, q_pipe, q_state, ops, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -739,14 +776,12 @@ class MLADecodeSm90:
           a, b. wait for P(t-1) and m(t-1); O_w rescaled; issue O_w += P(t-1) V_{t-1,w} (S(t)'s first part runs
               meanwhile, and before that while the other consumer's softmax(t-1) runs)
           c2. wait for the other half; issue its k-blocks of S(t); wait for all: free half w of tile t-1 and the rope
-              columns of tile t. S's k-blocks go to two accumulators, summed here, so that S has the same bits
-              whichever consumer owns the tile (s_part_plan)
+              columns of tile t
           d, e. softmax(t), publish P(t), m(t) (as in the default order)
           f. O_w rescaled; O_w += P(t) V_{t,w}; wait; free half w of tile t.
         Each part is freed by the one consumer that reads it last, so a page's refill starts part by part instead of
         after both consumers' P V."""
         (tSrQ, tSrK, tOrPs, tOrV, tOrV_rs, tOrP, tPsP, acc_s, acc_o, tScS, tOcO, rP) = ops
-        acc_s1 = cute.make_fragment_like(acc_s)    # S's V half 1 k-blocks (s_part_plan)
         lazy = self.lazy_rescale
         for t in cutlass.range(first, n_tiles, 2, unroll=1):
             tok0 = start + t * TILE_N
@@ -756,17 +791,15 @@ class MLADecodeSm90:
             # -- c1: the rope's and V half w's k-blocks of S(t) --
             kv_pipe.rope.consumer_wait(own)
             kv_pipe.wait_half(own, cw)
-            self._issue_s_part(tiled_mma_qk, (acc_s, acc_s1), tSrQ, tSrK_t, cw, True)
+            self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, True)
             if t > 0:
                 # -- a, b: the other consumer's tile t - 1 into this half of O, issued behind S(t)'s first part --
                 other_tile_pv_issue(cw, prev, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l, acc_o,
                                     tiled_mma_pv, tOrPs, tOrV, lazy)
             # -- c2: the other half's k-blocks --
             kv_pipe.wait_half(own, 1 - cw)
-            self._issue_s_part(tiled_mma_qk, (acc_s, acc_s1), tSrQ, tSrK_t, cw, False)
+            self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, False)
             warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = acc_s[i] + acc_s1[i]
             if t > 0:
                 kv_pipe.release_half(prev, cw)
             kv_pipe.rope.consumer_release(own)
@@ -791,20 +824,14 @@ class MLADecodeSm90:
             kv_pipe.release_half(last, cw)
 
     @cute.jit
-    def _issue_s_part(self, tiled_mma_qk: cute.TiledMma, acc: tuple, tSrQ: cute.Tensor, tSrK: cute.Tensor, cw: Int32,
-                      first: cutlass.Constexpr[bool]):
-        """kv_split's S, part `first` or the rest (s_part_plan), into the accumulators `acc` (two: S is their sum) as
-        one committed wgmma group."""
+    def _issue_s_part(self, tiled_mma_qk: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                      cw: Int32, first: cutlass.Constexpr[bool]):
+        """kv_split's S in two committed groups: `first`, the rope's k-blocks then V half cw's (zeroing acc_s);
+        otherwise the other half's."""
         if cw == 0:
-            self._issue_s_plan(tiled_mma_qk, acc, tSrQ, tSrK, s_part_plan(0, first))
+            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(0, first), first)
         else:
-            self._issue_s_plan(tiled_mma_qk, acc, tSrQ, tSrK, s_part_plan(1, first))
-
-    @cute.jit
-    def _issue_s_plan(self, tiled_mma_qk: cute.TiledMma, acc: tuple, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                      plan: cutlass.Constexpr[tuple]):
-        for i, (a, blocks, zero_init) in enumerate(plan):
-            issue_k_blocks(tiled_mma_qk, acc[a], tSrQ, tSrK, blocks, zero_init, commit=i == len(plan) - 1)
+            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(1, first), first)
 
     @cute.jit
     def _own_tile_pv(self, acc_o: cute.Tensor, alpha: cute.Tensor, tiled_mma_pv_rs: cute.TiledMma, tOrP: cute.Tensor,
@@ -953,8 +980,11 @@ class MLADecodeSm90:
             batch = Int32(mOrder[item // pairs])
             m_block = (item % pairs) * self.cluster + rank
             n_tiles = (mSeqlens[batch] + TILE_N - 1) // TILE_N
+            pad = 0
+            if const_expr(self.pad_items):
+                pad = kv_state.index * cutlass.min(n_tiles, 1)     # the ring's stage is 1: a pad tile first
             kv_state = self._produce_item(tma_q, mQ_tma, tma_kv, tKVs, tKVg, sQ, mBT, q_pipe, kv_pipe, q_state,
-                                          kv_state, batch, m_block, 0, n_tiles, rank, mSched, slot)
+                                          kv_state, batch, m_block, 0, n_tiles, rank, mSched, slot, pad)
             q_state.advance()
             item = fetch_ticket(mSched, storage, rank, n_clusters, n_items, chan_phase, self.cluster)
             chan_phase = chan_phase ^ 1

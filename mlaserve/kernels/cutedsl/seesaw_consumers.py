@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.split_consumers import (LAZY_RESCALE_LOG2, exp_p, fold_row_max, move_row_max,
@@ -187,18 +187,16 @@ class KVSplit:
 
 @cute.jit
 def issue_k_blocks(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, blocks,
-                   zero_init: cutlass.Constexpr[bool], commit: cutlass.Constexpr[bool] = True):
+                   zero_init: cutlass.Constexpr[bool]):
     """acc (+)= A B over the k-blocks `blocks` (a static sequence, in that order) as one committed wgmma group, not
-    waited for: S's parts of mla_decode.KV_SPLIT, each issued once its columns have landed. With `commit` False
-    the group stays open for more wgmmas."""
+    waited for: S's parts of mla_decode.KV_SPLIT, each issued once its columns have landed."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
     for k in blocks:
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
-    if const_expr(commit):
-        warpgroup.commit_group()
+    warpgroup.commit_group()
 
 
 @cute.jit
