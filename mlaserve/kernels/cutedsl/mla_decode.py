@@ -259,7 +259,9 @@ SPEC_EXP = True
 #   (the rope after S, a half after its consumer's P V), and S(t) issued before the wait for the other consumer's
 #   P(t-1), its rope and own half first (mla_decode_kernel._seesaw_split): FlashMLA's schedule issues the next tile's
 #   S while the softmax runs and refills each piece of a page once read (bench/NOTES.md 107). Taken where a request
-#   has at least KV_SPLIT_MIN_ROWS query rows.
+#   has at least KV_SPLIT_MIN_ROWS query rows. S's k-blocks go in its owner's order, so ticket launches start every
+#   item on ring stage 0 (a pad tile where needed: MLADecodeSm90._pad_tile), which makes tile t of an item consumer
+#   t % 2's whatever the schedule (bench/NOTES.md 111).
 # - else KV_PARTS column parts (3: 192 columns each), each on a full barrier of its own, S = Q K^T issued part by
 #   part as they land (seesaw_consumers.issue_mma_by_part), as FlashMLA waits on each 64-column piece; 1: one
 #   barrier a page. The same bits as one barrier a page.
