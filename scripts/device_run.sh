@@ -101,8 +101,10 @@ fi
 
 # -- CuTe DSL, in two calls on a warm machine (its library is larger than one call may carry) --
 #   run(command="PHASES=env,cutedsl1 bash scripts/device_run.sh", carry=[".cutedsl/part00", ".cutedsl/wheels"])
-#   run(command="PHASES=env,cutedsl2,... bash scripts/device_run.sh", carry=[".cutedsl/part01", ".peers"])
-# within 30 s of each other; later calls on that machine find it in /tmp/site and put it on the path.
+#   run(command="PHASES=env,cutedsl2,... bash scripts/device_run.sh", carry=[".cutedsl/part01", ".peers/GIT_COMMIT"])
+# within 30 s of each other; later calls on that machine find it in /tmp/site and put it on the path. A call carries
+# 64 MiB with the working tree (~29 MB, most of it bench/results): part01 (30 MB) leaves no room for the peers, so
+# e.g. FlashMLA (.peers/flashmla) comes in a later call with PHASES=env,install,bench.
 if has_phase cutedsl1; then
   run_phase cutedsl-part0 "$(limit 120)" "$LOG" bash -c \
     "mkdir -p /tmp/cutedsl && cp .cutedsl/part00 .cutedsl/wheels/*.whl /tmp/cutedsl/"
