@@ -115,6 +115,124 @@ def simulate(n_tiles: int = 64, early: int = 0, softmax: int = 650, rescale: int
     return clock, tensor
 
 
+PARTS = {"h0": 16, "h1": 16, "rope": 4}     # KV_SPLIT's parts of a page, in S's k-blocks
+
+
+def pair_program(w: int, n_tiles: int, softmax: int, rescale: int, store_p: int):
+    """Consumer w's steps in FlashMLA's pair schedule (bench/NOTES.md 112) on KV_SPLIT's ring: consumer 0 owns the
+    even tiles a, consumer 1 the odd tiles b = a + 1. The owner of a publishes its max before its own P V, and its P
+    only once rescaled to b's max; consumer 1's softmax(b) waits for a's max alone, and its P V of a comes after it.
+    Each consumer issues S of its next tile behind its P Vs, so one consumer's S runs during the other's softmax.
+    Each P lies in its tile's rope columns (read by S, then free): the rope is freed by the other consumer after its
+    P V of that P; V's half w by consumer w after its last P V of the tile."""
+    def issue_s(t):
+        for part in ("h0", "h1", "rope"):   # the halves first: the rope is freed last
+            yield "wait_part", (t, part)
+            yield "issue", S_CLOCKS * PARTS[part] / K_BLOCKS
+
+    if w < n_tiles:
+        yield from issue_s(w)
+    for t in range(w, n_tiles, 2):
+        if w == 0:
+            yield "wait_groups", 0
+            yield "compute", softmax + rescale      # O_0 to m(a) folded in, as the softmax's alpha
+            yield "publish", ("m", t)
+            yield "issue", PV_CLOCKS
+            yield "wait_groups", 0
+            yield "release", (t, "h0")
+            if t + 1 < n_tiles:
+                yield "wait_event", ("m", t + 1)
+            yield "compute", store_p               # P(a) scaled to m(b), to smem
+            yield "publish", ("p", t)
+            if t + 1 < n_tiles:
+                yield "wait_event", ("p", t + 1)
+                yield "compute", rescale
+                yield "issue", PV_CLOCKS
+            if t + 2 < n_tiles:
+                yield from issue_s(t + 2)
+            if t + 1 < n_tiles:
+                yield "wait_groups", 1 if t + 2 < n_tiles else 0
+                yield "release", (t + 1, "h0")
+                yield "release", (t + 1, "rope")
+        else:
+            yield "wait_event", ("m", t - 1)
+            yield "wait_groups", 0
+            yield "compute", softmax + rescale      # O_1 to m(b): both scales in one
+            yield "publish", ("m", t)
+            yield "compute", store_p
+            yield "publish", ("p", t)
+            yield "issue", PV_CLOCKS
+            yield "wait_event", ("p", t - 1)
+            yield "issue", PV_CLOCKS
+            yield "wait_groups", 1
+            yield "release", (t, "h1")
+            yield "wait_groups", 0
+            yield "release", (t - 1, "h1")
+            yield "release", (t - 1, "rope")
+            if t + 2 < n_tiles:
+                yield from issue_s(t + 2)
+    if w == 1 and n_tiles % 2 == 1:
+        # the lone last tile is consumer 0's: its P (not rescaled further) into this half
+        a = n_tiles - 1
+        yield "wait_event", ("m", a)
+        yield "compute", rescale
+        yield "wait_event", ("p", a)
+        yield "issue", PV_CLOCKS
+        yield "wait_groups", 0
+        yield "release", (a, "h1")
+        yield "release", (a, "rope")
+
+
+def simulate_pairs(n_tiles: int = 64, softmax: int = 650, rescale: int = 150, load: int = 1400,
+                   store_p: int = 100):
+    """pair_program's clocks, as simulate's: -> (clocks for n_tiles tiles, clocks the tensor cores were busy). A
+    part of tile t lands `load` clocks after the part of tile t - 2 in its stage was freed."""
+    released = {}                  # (tile, part) -> clock
+    events = {}                    # ("m" | "p", tile) -> clock
+    progs = [pair_program(w, n_tiles, softmax, rescale, store_p) for w in (0, 1)]
+    step = [next(p, None) for p in progs]
+    queue = [[], []]
+    busy = [0, 0]
+    clock = tensor = 0
+
+    def landed(t, part):
+        if t < 2:
+            return load
+        r = released.get((t - 2, part))
+        return None if r is None else r + load
+
+    while step[0] is not None or step[1] is not None or queue[0] or queue[1]:
+        for w in (0, 1):
+            while step[w] is not None and busy[w] <= clock:
+                op, arg = step[w]
+                if op == "wait_part" and (landed(*arg) is None or landed(*arg) > clock):
+                    break
+                if op == "wait_event" and events.get(arg, clock + 1) > clock:
+                    break
+                if op == "wait_groups" and len(queue[w]) > arg:
+                    break
+                if op == "compute":
+                    busy[w] = clock + arg
+                elif op == "issue":
+                    queue[w].append(arg)
+                elif op == "publish":
+                    events[arg] = clock
+                elif op == "release":
+                    released[arg] = clock
+                step[w] = next(progs[w], None)
+        running = [w for w in (0, 1) if queue[w]]
+        if running:
+            tensor += 1
+            for w in running:
+                queue[w][0] -= 1 / len(running)
+                if queue[w][0] <= 1e-9:
+                    queue[w].pop(0)
+        clock += 1
+        if clock > 1000 * n_tiles * (S_CLOCKS + 2 * PV_CLOCKS):
+            raise RuntimeError("the schedule deadlocks")
+    return clock, tensor
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", type=int, default=64)
@@ -122,6 +240,7 @@ def main():
     ap.add_argument("--rescale", default="150", help="comma list of O-rescale clocks")
     ap.add_argument("--load", default="800,1200,1600,2000", help="comma list: release to landed page, clocks")
     ap.add_argument("--early", default="8,12,16,24,36", help="comma list of early k-block counts to compare with 0")
+    ap.add_argument("--pairs", action="store_true", help="also FlashMLA's pair schedule (pair_program)")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]   # noqa: E731
     print(f"clocks a tile (tensor-core busy share); the wgmma floor is {S_CLOCKS + 2 * PV_CLOCKS}")
@@ -131,6 +250,9 @@ def main():
         for early in ints(a.early):
             t, _ = simulate(a.tiles, early, softmax, rescale, load)
             row += f"  early {early} {t / a.tiles:5.0f} ({base / t:.3f}x)"
+        if a.pairs:
+            t, busy = simulate_pairs(a.tiles, softmax, rescale, load)
+            row += f"  pairs {t / a.tiles:5.0f} ({base / t:.3f}x, {busy / t:.0%})"
         print(row)
 
 
