@@ -44,3 +44,27 @@ def test_early_s_pays_only_while_pages_land_soon():
     early_late, _ = model.simulate(tiles, 12, load=2400)
     assert early_soon < 0.95 * base_soon
     assert early_late > base_late
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 7, 12])
+@pytest.mark.parametrize("load", [0, 1600])
+def test_the_pair_schedule_does_every_tiles_work_once(tiles, load):
+    """FlashMLA's pair schedule (pair_program), odd tile counts and a lone tile included: it ends (no deadlock
+    between the two consumers' events and the parts' releases), and the tensor cores are busy for exactly the
+    tiles' wgmma work."""
+    clocks, busy = model.simulate_pairs(tiles, softmax=650, rescale=150, load=load)
+    assert abs(busy - tiles * FLOOR) <= tiles
+    assert clocks >= busy
+
+
+def test_the_pair_schedule_hides_a_softmax_only_while_pages_land_soon():
+    """With pages landing at once, the pair schedule keeps the tensor cores busier than the default (one consumer's
+    S runs during the other's softmax); with slow refills it is slower, as S of tile t + 2 waits for both halves of
+    tile t, the other consumer's freed after its later P V (bench/NOTES.md 112)."""
+    tiles = 32
+    base_soon, _ = model.simulate(tiles, 0, load=0)
+    pairs_soon, _ = model.simulate_pairs(tiles, load=0)
+    base_late, _ = model.simulate(tiles, 0, load=1600)
+    pairs_late, _ = model.simulate_pairs(tiles, load=1600)
+    assert pairs_soon < 0.9 * base_soon
+    assert pairs_late > base_late
