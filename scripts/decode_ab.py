@@ -64,6 +64,8 @@ switches, read at launch (so captured with each graph):
                     it last, and S(t) issued before the wait for the other consumer's P(t-1) (the default from
                     mla_decode.KV_SPLIT_MIN_ROWS rows; $DA_KV_SPLIT_MIN_ROWS sets it for the run), against
                     KV_PARTS's ring
+  KV_PREFETCH       cutedsl: the 16-bit kernel's producer prefetches the page $DA_KV_PREFETCH - 1 tiles (default 1:
+                    the page itself) ahead of the one whose stage it waits for into L2, against no prefetch
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -156,6 +158,13 @@ def _kv_split(on: bool):
     default = _kv_split.__dict__.setdefault("default", cd.KV_SPLIT_MIN_ROWS)
     cd.KV_SPLIT = on
     cd.KV_SPLIT_MIN_ROWS = int(os.environ.get("DA_KV_SPLIT_MIN_ROWS", default))
+
+
+def _kv_prefetch(on: bool):
+    """The 16-bit CuTe DSL kernel's L2 prefetch DA_KV_PREFETCH (default 1) tiles ahead (mla_decode.KV_PREFETCH),
+    against none."""
+    importlib.import_module("mlaserve.kernels.cutedsl.mla_decode").KV_PREFETCH = (
+        int(os.environ.get("DA_KV_PREFETCH", "1")) if on else 0)
 
 
 def _balanced_ordered(on: bool):
@@ -255,6 +264,7 @@ SWITCHES = {
     "BALANCED_ORDERED": ("cutedsl", _balanced_ordered),
     "KV_PARTS": ("cutedsl", _kv_parts),
     "KV_SPLIT": ("cutedsl", _kv_split),
+    "KV_PREFETCH": ("cutedsl", _kv_prefetch),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

@@ -319,6 +319,32 @@ def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, ahead", [
+    (8, 1, 64, 1, None, 1),        # a grid of single CTAs, the page about to be loaded
+    (8, 2, 64, 1, None, 2),        # a grid, clusters of 2, a page ahead of it
+    (200, 1, 128, 1, -1, 1),       # persistent, tickets (KV_PARTS's ring)
+    (150, 2, 128, 1, -1, 2),       # persistent, tickets, 256 rows (KV_SPLIT's ring, pad tiles)
+    (150, 2, 128, 1, 0, 1),        # persistent, stream-K
+    (4, 1, 128, 4, None, 3),       # split
+])
+def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min_tiles, ahead):
+    """mla_decode.KV_PREFETCH (the producer's TMA prefetches of the pages ahead into L2, no barrier): within the
+    reference's tolerances on ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and the
+    same bits as without it, in every launch form (min_tiles -1: STREAM_K off)."""
+    if min_tiles == -1:
+        monkeypatch.setattr(cd, "STREAM_K", False)
+    elif min_tiles is not None:
+        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=11 * b + s_q)
+    monkeypatch.setattr(cd, "KV_PREFETCH", 0)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, "KV_PREFETCH", ahead)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    assert_reference(out, lse, q, kv, table, seqlens)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
                                          (64, 1, True)])
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):

@@ -272,6 +272,11 @@ SPEC_EXP = True
 KV_SPLIT = True
 KV_SPLIT_MIN_ROWS = 256
 KV_PARTS = 3
+# 16-bit KV: the producer, before it waits for tile t's stage, prefetches the page of tile t + KV_PREFETCH - 1 into
+# L2 (a TMA prefetch: its read from memory starts a tile or more before the stage is free, and the load then reads
+# L2). Where pages land late (h128 s_q1 on an H100 streams ~80% of the copy bandwidth; KV_SPLIT's parts are freed
+# later) the refill's latency is on the consumers' chain (bench/NOTES.md 112). 0: none. Not yet run on a GPU.
+KV_PREFETCH = 0
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -411,6 +416,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                 "spec_exp": SPEC_EXP}
     if not kv_fp8:
         seesaw["kv_parts"], seesaw["kv_split"] = kv_ring(rows)
+        seesaw["kv_prefetch"] = KV_PREFETCH
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:

@@ -171,7 +171,7 @@ class MLADecodeSm90:
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
                  tree_max: bool = False, spec_exp: bool = False, ordered: bool = False, kv_parts: int = 1,
-                 kv_split: bool = False):
+                 kv_split: bool = False, kv_prefetch: int = 0):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -226,6 +226,11 @@ class MLADecodeSm90:
         # kv_split's ticket launches start every item on ring stage 0 (a pad tile where the CTA's tiles so far are
         # odd): S's k-blocks go in its owner's order, so a tile's owner must not depend on the dynamic schedule
         self.pad_items = kv_split and persistent and not streamk
+        # the producer, before waiting for tile t's stage, prefetches tile t + kv_prefetch - 1's page into L2 (TMA
+        # prefetch), so that its read from memory starts before the stage is free (mla_decode.KV_PREFETCH); 0: none
+        if kv_prefetch < 0:
+            raise ValueError(f"kv_prefetch counts tiles ahead, got {kv_prefetch}")
+        self.kv_prefetch = kv_prefetch
         # TMA boxes a page is loaded in (one barrier each for kv_parts, grouped by kv_split's parts)
         self.kv_boxes = D_QK // 64 if kv_split else kv_parts
         # mbarriers of the KV ring: full and empty per stage and part (kv_split: rope + two halves a stage)
@@ -554,6 +559,10 @@ class MLADecodeSm90:
                 page = mBT[batch, first_page + cutlass.max(t - pad, 0)]
             else:
                 page = mBT[batch, first_page + t]
+            if const_expr(self.kv_prefetch > 0):
+                ahead = t + self.kv_prefetch - 1 - pad      # the item's tile whose page goes to L2 now
+                if ahead >= 0 and ahead < n_tiles:
+                    self._prefetch_page(tma_kv, tKVg, self.cluster * mBT[batch, first_page + ahead] + rank)
             if const_expr(self.kv_split):
                 if const_expr(self.trace):
                     if cute.arch.lane_idx() == 0 and t == 0:
@@ -578,6 +587,16 @@ class MLADecodeSm90:
                               mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
             kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def _prefetch_page(self, tma_kv: cute.CopyAtom, tKVg: cute.Tensor, tile: Int32):
+        """This CTA's share of one page (row tile `tile` of the cache's [64 / cluster, 576] tiling) into L2: a TMA
+        prefetch of each box the page is loaded in, no barrier."""
+        if const_expr(self.kv_boxes > 1):
+            for box in cutlass.range_constexpr(self.kv_boxes):
+                cute.prefetch(tma_kv, tKVg[None, tile, box])
+        else:
+            cute.prefetch(tma_kv, tKVg[None, tile])
 
     @cute.jit
     def _produce_parts(self, tma_kv: cute.CopyAtom, tKVs: cute.Tensor, tKVg: cute.Tensor, kv_pipe, kv_state,
