@@ -294,6 +294,23 @@ def graphs(prep, switch, on: bool):
     return replays
 
 
+def _set_module_value(module: str, item: str) -> None:
+    """NAME=VALUE into a module's existing bool or int value; SystemExit naming what is wrong otherwise."""
+    name, sep, value = item.partition("=")
+    m = importlib.import_module(module)
+    if not sep or not hasattr(m, name) or type(getattr(m, name)) not in (bool, int):
+        raise SystemExit(f"--set {item!r}: want NAME=VALUE for a bool or int value of {module}")
+    if isinstance(getattr(m, name), bool):
+        if value not in ("0", "1", "True", "False", "true", "false"):
+            raise SystemExit(f"--set {item!r}: {name} is a bool (0 / 1)")
+        setattr(m, name, value in ("1", "True", "true"))
+    else:
+        try:
+            setattr(m, name, int(value))
+        except ValueError:
+            raise SystemExit(f"--set {item!r}: {name} is an int") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
@@ -304,7 +321,12 @@ def main() -> int:
     ap.add_argument("--sustain-ms", type=float, default=0,
                     help="time each turn over back-to-back calls for this long (after as long a warm-up), at the "
                          "clock the GPU holds under load, instead of one call (limits.interleaved_us)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a value of the CuTe DSL's mla_decode module for both arms (e.g. KV_PREFETCH=1 under "
+                         "--switch KV_SPLIT); repeatable")
     args = ap.parse_args()
+    for item in args.set:
+        _set_module_value("mlaserve.kernels.cutedsl.mla_decode", item)
     backend, switch = SWITCHES[args.switch]
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, f"backend {backend}", flush=True)

@@ -49,3 +49,40 @@ def test_sparse_softmax_switches_set_the_sparse_modules_flags(monkeypatch):
     assert (sp.LAZY_RESCALE, sp.TREE_MAX) == (True, False)
     switch(False)
     assert not any(getattr(sp, name) for name in decode_ab.SPARSE_SOFTMAX)
+
+
+def test_kv_ring_switches_set_their_values_and_only_theirs(monkeypatch):
+    """KV_SPLIT takes its threshold from DA_KV_SPLIT_MIN_ROWS (the module's when unset) and turns the ring off
+    again; KV_PREFETCH sets DA_KV_PREFETCH tiles ahead (1 when unset) against none."""
+    for name in ("KV_SPLIT", "KV_SPLIT_MIN_ROWS", "KV_PREFETCH"):
+        monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
+    default_rows = cd.KV_SPLIT_MIN_ROWS
+    _, split = decode_ab.SWITCHES["KV_SPLIT"]
+    monkeypatch.setenv("DA_KV_SPLIT_MIN_ROWS", "128")
+    split(True)
+    assert (cd.KV_SPLIT, cd.KV_SPLIT_MIN_ROWS) == (True, 128)
+    assert cd.kv_ring(128) == (1, True)
+    split(False)
+    assert cd.KV_SPLIT is False and cd.kv_ring(256) == (cd.KV_PARTS, False)
+    monkeypatch.delenv("DA_KV_SPLIT_MIN_ROWS")
+    split(True)
+    assert cd.KV_SPLIT_MIN_ROWS == default_rows
+    _, prefetch = decode_ab.SWITCHES["KV_PREFETCH"]
+    prefetch(True)
+    assert cd.KV_PREFETCH == 1
+    monkeypatch.setenv("DA_KV_PREFETCH", "3")
+    prefetch(True)
+    assert cd.KV_PREFETCH == 3
+    prefetch(False)
+    assert cd.KV_PREFETCH == 0
+
+
+def test_set_gives_both_arms_a_module_value_and_refuses_what_it_cannot_set(monkeypatch):
+    for name in ("KV_PREFETCH", "KV_SPLIT"):
+        monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
+    decode_ab._set_module_value(cd.__name__, "KV_PREFETCH=2")
+    decode_ab._set_module_value(cd.__name__, "KV_SPLIT=0")
+    assert (cd.KV_PREFETCH, cd.KV_SPLIT) == (2, False)
+    for bad in ("KV_PREFETCH", "NO_SUCH_VALUE=1", "KV_PREFETCH=two", "KV_SPLIT=maybe", "CONFIG=1"):
+        with pytest.raises(SystemExit, match="--set"):
+            decode_ab._set_module_value(cd.__name__, bad)
