@@ -67,40 +67,31 @@ def program(w: int, n_tiles: int, early: int, softmax: int, rescale: int):
         yield "release", n_tiles - 1
 
 
-def simulate(n_tiles: int = 64, early: int = 0, softmax: int = 650, rescale: int = 150, load: int = 1400):
-    """-> (clocks for n_tiles tiles, clocks the tensor cores were busy)."""
-    released = {}                  # (tile, consumer) -> clock
-    published = {}                 # tile -> clock its P was published
-    progs = [program(w, n_tiles, early, softmax, rescale) for w in (0, 1)]
+def _run(progs, waiting, record, limit: int):
+    """The clock loop of both schedules: each consumer runs its program's steps until one blocks (`waiting(w, op,
+    arg, clock)` for the schedule's own waits, or its issued groups); `record(w, op, arg, clock)` takes its publish
+    and release steps. The tensor cores are shared evenly by the consumers whose groups are queued, each
+    consumer's groups in issue order. -> (clocks, clocks the tensor cores were busy)."""
     step = [next(p, None) for p in progs]
     queue = [[], []]               # each consumer's issued groups: work left, in issue order
     busy = [0, 0]                  # a consumer computes until this clock
     clock = tensor = 0
-
-    def landed(t):
-        if t < 2:
-            return load
-        both = [released.get((t - 2, w)) for w in (0, 1)]
-        return None if None in both else max(both) + load
-
     while step[0] is not None or step[1] is not None or queue[0] or queue[1]:
         for w in (0, 1):
             while step[w] is not None and busy[w] <= clock:
                 op, arg = step[w]
-                if op == "wait_page" and (landed(arg) is None or landed(arg) > clock):
-                    break
-                if op == "wait_p" and published.get(arg, clock + 1) > clock:
-                    break
-                if op == "wait_groups" and len(queue[w]) > arg:
-                    break
-                if op == "compute":
+                if op == "wait_groups":
+                    if len(queue[w]) > arg:
+                        break
+                elif op.startswith("wait_"):
+                    if waiting(w, op, arg, clock):
+                        break
+                elif op == "compute":
                     busy[w] = clock + arg
                 elif op == "issue":
                     queue[w].append(arg)
-                elif op == "publish":
-                    published[arg] = clock
-                elif op == "release":
-                    released[(arg, w)] = clock
+                else:
+                    record(w, op, arg, clock)
                 step[w] = next(progs[w], None)
         running = [w for w in (0, 1) if queue[w]]
         if running:
@@ -110,9 +101,35 @@ def simulate(n_tiles: int = 64, early: int = 0, softmax: int = 650, rescale: int
                 if queue[w][0] <= 1e-9:
                     queue[w].pop(0)
         clock += 1
-        if clock > 1000 * n_tiles * (S_CLOCKS + 2 * PV_CLOCKS):
+        if clock > limit:
             raise RuntimeError("the schedule deadlocks")
     return clock, tensor
+
+
+def simulate(n_tiles: int = 64, early: int = 0, softmax: int = 650, rescale: int = 150, load: int = 1400):
+    """-> (clocks for n_tiles tiles, clocks the tensor cores were busy)."""
+    released = {}                  # (tile, consumer) -> clock
+    published = {}                 # tile -> clock its P was published
+
+    def landed(t):
+        if t < 2:
+            return load
+        both = [released.get((t - 2, w)) for w in (0, 1)]
+        return None if None in both else max(both) + load
+
+    def waiting(w, op, arg, clock):
+        if op == "wait_page":
+            return landed(arg) is None or landed(arg) > clock
+        return published.get(arg, clock + 1) > clock          # wait_p
+
+    def record(w, op, arg, clock):
+        if op == "publish":
+            published[arg] = clock
+        else:
+            released[(arg, w)] = clock
+
+    return _run([program(w, n_tiles, early, softmax, rescale) for w in (0, 1)], waiting, record,
+                1000 * n_tiles * (S_CLOCKS + 2 * PV_CLOCKS))
 
 
 PARTS = {"h0": 16, "h1": 16, "rope": 4}     # KV_SPLIT's parts of a page, in S's k-blocks
@@ -189,11 +206,6 @@ def simulate_pairs(n_tiles: int = 64, softmax: int = 650, rescale: int = 150, lo
     part of tile t lands `load` clocks after the part of tile t - 2 in its stage was freed."""
     released = {}                  # (tile, part) -> clock
     events = {}                    # ("m" | "p", tile) -> clock
-    progs = [pair_program(w, n_tiles, softmax, rescale, store_p) for w in (0, 1)]
-    step = [next(p, None) for p in progs]
-    queue = [[], []]
-    busy = [0, 0]
-    clock = tensor = 0
 
     def landed(t, part):
         if t < 2:
@@ -201,36 +213,16 @@ def simulate_pairs(n_tiles: int = 64, softmax: int = 650, rescale: int = 150, lo
         r = released.get((t - 2, part))
         return None if r is None else r + load
 
-    while step[0] is not None or step[1] is not None or queue[0] or queue[1]:
-        for w in (0, 1):
-            while step[w] is not None and busy[w] <= clock:
-                op, arg = step[w]
-                if op == "wait_part" and (landed(*arg) is None or landed(*arg) > clock):
-                    break
-                if op == "wait_event" and events.get(arg, clock + 1) > clock:
-                    break
-                if op == "wait_groups" and len(queue[w]) > arg:
-                    break
-                if op == "compute":
-                    busy[w] = clock + arg
-                elif op == "issue":
-                    queue[w].append(arg)
-                elif op == "publish":
-                    events[arg] = clock
-                elif op == "release":
-                    released[arg] = clock
-                step[w] = next(progs[w], None)
-        running = [w for w in (0, 1) if queue[w]]
-        if running:
-            tensor += 1
-            for w in running:
-                queue[w][0] -= 1 / len(running)
-                if queue[w][0] <= 1e-9:
-                    queue[w].pop(0)
-        clock += 1
-        if clock > 1000 * n_tiles * (S_CLOCKS + 2 * PV_CLOCKS):
-            raise RuntimeError("the schedule deadlocks")
-    return clock, tensor
+    def waiting(w, op, arg, clock):
+        if op == "wait_part":
+            return landed(*arg) is None or landed(*arg) > clock
+        return events.get(arg, clock + 1) > clock             # wait_event
+
+    def record(w, op, arg, clock):
+        (events if op == "publish" else released)[arg] = clock
+
+    return _run([pair_program(w, n_tiles, softmax, rescale, store_p) for w in (0, 1)], waiting, record,
+                1000 * n_tiles * (S_CLOCKS + 2 * PV_CLOCKS))
 
 
 def main():

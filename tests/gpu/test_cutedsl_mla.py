@@ -33,6 +33,28 @@ def assert_reference(out, lse, q, kv, table, seqlens, what: str = ""):
     assert ok, f"{what}max abs err {max_err:.2e}: {why}"
 
 
+def _ragged_case(monkeypatch, b: int, s_q: int, h: int, min_tiles, seed: int):
+    """bf16 inputs of b ragged requests (an empty one, one of one token, page edges; NaN-poisoned unused slots), and
+    the launch's schedule: min_tiles sets STREAM_K_MIN_TILES, -1 turns STREAM_K off, None leaves the module's."""
+    if min_tiles == -1:
+        monkeypatch.setattr(cd, "STREAM_K", False)
+    elif min_tiles is not None:
+        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    return check.make_case(lens, s_q, h, torch.bfloat16, seed=seed)
+
+
+def _assert_same_bits(monkeypatch, name: str, before, after, q, kv, table, seqlens, num_splits):
+    """A launch with mla_decode's `name` set to `after`: within the reference's tolerances, and the same bits as one
+    with `before`."""
+    monkeypatch.setattr(cd, name, before)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, name, after)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    assert_reference(out, lse, q, kv, table, seqlens, f"{name} {after}: ")
+    assert torch.equal(out, out0) and torch.equal(lse, lse0), f"{name} {after} changed the bits of {before}"
+
+
 @pytest.mark.parametrize("case", list(check.cases(quick=False)),
                          ids=lambda c: f"b{len(c['lens'])}-sq{c['s_q']}-h{c['h']}-{str(c['dtype'])[6:]}"
                                        f"-causal{c['causal']}-splits{c.get('num_splits')}")
@@ -268,17 +290,9 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
     as they land): within the reference's tolerances on ragged lengths with empty and one-token requests
     (NaN-poisoned unused slots), and the same bits as one barrier a page (the k-blocks accumulate in the same
     order)."""
-    if min_tiles is not None:
-        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
-    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=5 * b + s_q)
+    q, kv, table, seqlens = _ragged_case(monkeypatch, b, s_q, h, min_tiles, seed=5 * b + s_q)
     monkeypatch.setattr(cd, "KV_SPLIT", False)      # the default at 256 rows and more
-    monkeypatch.setattr(cd, "KV_PARTS", 1)
-    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    monkeypatch.setattr(cd, "KV_PARTS", parts)
-    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    assert_reference(out, lse, q, kv, table, seqlens)
-    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    _assert_same_bits(monkeypatch, "KV_PARTS", 1, parts, q, kv, table, seqlens, num_splits)
 
 
 @pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles", [
@@ -297,12 +311,7 @@ def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
     (S's k-blocks accumulate in another order); at every row count, not only from KV_SPLIT_MIN_ROWS. Persistent
     ticket launches (min_tiles -1: STREAM_K off) give the same bits with the requests taken in batch order: which
     consumer owns a tile then changes, and S must not depend on it."""
-    if min_tiles == -1:
-        monkeypatch.setattr(cd, "STREAM_K", False)
-    elif min_tiles is not None:
-        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
-    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=7 * b + s_q)
+    q, kv, table, seqlens = _ragged_case(monkeypatch, b, s_q, h, min_tiles, seed=7 * b + s_q)
     monkeypatch.setattr(cd, "KV_SPLIT", False)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "KV_SPLIT", True)
@@ -331,18 +340,8 @@ def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min
     """mla_decode.KV_PREFETCH (the producer's TMA prefetches of the pages ahead into L2, no barrier): within the
     reference's tolerances on ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and the
     same bits as without it, in every launch form (min_tiles -1: STREAM_K off)."""
-    if min_tiles == -1:
-        monkeypatch.setattr(cd, "STREAM_K", False)
-    elif min_tiles is not None:
-        monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
-    q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=11 * b + s_q)
-    monkeypatch.setattr(cd, "KV_PREFETCH", 0)
-    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    monkeypatch.setattr(cd, "KV_PREFETCH", ahead)
-    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
-    assert_reference(out, lse, q, kv, table, seqlens)
-    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    q, kv, table, seqlens = _ragged_case(monkeypatch, b, s_q, h, min_tiles, seed=11 * b + s_q)
+    _assert_same_bits(monkeypatch, "KV_PREFETCH", 0, ahead, q, kv, table, seqlens, num_splits)
 
 
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
