@@ -25,6 +25,8 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from mlaserve.bench.switches import set_module_value  # noqa: E402
+
 KINDS = ("bf16", "bf16-pairs", "fp8mma", "n16", "n32", "w64", "sparse", "sparse-fp8")
 INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", re.M)
 
@@ -34,13 +36,7 @@ def compile_kernel(kind: str, split: bool, flags: list[str], ordered: bool = Fal
     sparse = kind.startswith("sparse")
     mod = importlib.import_module("mlaserve.kernels.cutedsl." + ("sparse_mla" if sparse else "mla_decode"))
     for f in flags:
-        name, value = f.split("=")
-        if not hasattr(mod, name):
-            raise SystemExit(f"{mod.__name__} has no flag {name}")
-        if isinstance(getattr(mod, name), bool):
-            setattr(mod, name, value not in ("0", "False", "false"))
-        else:
-            setattr(mod, name, type(getattr(mod, name))(value))
+        set_module_value(mod.__name__, f)
     if sparse:
         # what sparse_mla() compiles: its module flags (16-byte stores unsplit, the seesaw's softmax switches)
         fp8 = kind == "sparse-fp8"
@@ -100,7 +96,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("kind", choices=KINDS)
     ap.add_argument("--split", action="store_true", help="the split-KV specialization (fp32 partials)")
-    ap.add_argument("--flag", action="append", default=[], help="NAME=0|1, a module flag set before compiling")
+    ap.add_argument("--flag", action="append", default=[],
+                    help="NAME=VALUE, a bool or int of the module set before compiling")
     ap.add_argument("--ordered", action="store_true", help="a grid kind's ordered launch (requests through an order)")
     ap.add_argument("--out", default="/tmp/cutedsl_sass")
     ap.add_argument("--ops", default=None, help="write the instruction list (no addresses, no encodings) here")

@@ -93,6 +93,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mlaserve.bench import inputs as bench_inputs  # noqa: E402
 from mlaserve.bench import peers, runners  # noqa: E402
+from mlaserve.bench.switches import set_module_value  # noqa: E402
 from mlaserve.bench.limits import capture_graphs, interleaved_us, ratio_median  # noqa: E402
 from mlaserve.bench.shapes import DenseShape, SparseShape  # noqa: E402
 
@@ -294,23 +295,6 @@ def graphs(prep, switch, on: bool):
     return replays
 
 
-def _set_module_value(module: str, item: str) -> None:
-    """NAME=VALUE into a module's existing bool or int value; SystemExit naming what is wrong otherwise."""
-    name, sep, value = item.partition("=")
-    m = importlib.import_module(module)
-    if not sep or not hasattr(m, name) or type(getattr(m, name)) not in (bool, int):
-        raise SystemExit(f"--set {item!r}: want NAME=VALUE for a bool or int value of {module}")
-    if isinstance(getattr(m, name), bool):
-        if value not in ("0", "1", "True", "False", "true", "false"):
-            raise SystemExit(f"--set {item!r}: {name} is a bool (0 / 1)")
-        setattr(m, name, value in ("1", "True", "true"))
-    else:
-        try:
-            setattr(m, name, int(value))
-        except ValueError:
-            raise SystemExit(f"--set {item!r}: {name} is an int") from None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
@@ -326,7 +310,7 @@ def main() -> int:
                          "--switch KV_SPLIT); repeatable")
     args = ap.parse_args()
     for item in args.set:
-        _set_module_value("mlaserve.kernels.cutedsl.mla_decode", item)
+        set_module_value("mlaserve.kernels.cutedsl.mla_decode", item)
     backend, switch = SWITCHES[args.switch]
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, f"backend {backend}", flush=True)

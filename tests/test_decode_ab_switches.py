@@ -3,6 +3,7 @@ them back off (a setter that left one on would compare two 'on' kernels)."""
 
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ _spec = importlib.util.spec_from_file_location("decode_ab", Path(__file__).resol
 decode_ab = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(decode_ab)
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+set_module_value = importlib.import_module("mlaserve.bench.switches").set_module_value
 
 
 def test_the_seesaw_switches_are_the_kernels_boolean_flags():
@@ -77,12 +79,14 @@ def test_kv_ring_switches_set_their_values_and_only_theirs(monkeypatch):
     assert cd.KV_PREFETCH == 0
 
 
-def test_set_gives_both_arms_a_module_value_and_refuses_what_it_cannot_set(monkeypatch):
+def test_set_module_value_sets_bools_and_ints_and_refuses_what_it_cannot_set(monkeypatch):
+    """decode_ab --set and cutedsl_sass --flag (mlaserve.bench.switches): an existing bool or int, else an exit
+    naming the item."""
     for name in ("KV_PREFETCH", "KV_SPLIT"):
         monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
-    decode_ab._set_module_value(cd.__name__, "KV_PREFETCH=2")
-    decode_ab._set_module_value(cd.__name__, "KV_SPLIT=0")
+    set_module_value(cd.__name__, "KV_PREFETCH=2")
+    set_module_value(cd.__name__, "KV_SPLIT=0")
     assert (cd.KV_PREFETCH, cd.KV_SPLIT) == (2, False)
     for bad in ("KV_PREFETCH", "NO_SUCH_VALUE=1", "KV_PREFETCH=two", "KV_SPLIT=maybe", "CONFIG=1"):
-        with pytest.raises(SystemExit, match="--set"):
-            decode_ab._set_module_value(cd.__name__, bad)
+        with pytest.raises(SystemExit, match=re.escape(repr(bad))):
+            set_module_value(cd.__name__, bad)
