@@ -64,8 +64,9 @@ switches, read at launch (so captured with each graph):
                     it last, and S(t) issued before the wait for the other consumer's P(t-1) (the default from
                     mla_decode.KV_SPLIT_MIN_ROWS rows; $DA_KV_SPLIT_MIN_ROWS sets it for the run), against
                     KV_PARTS's ring
-  KV_PREFETCH       cutedsl: the 16-bit kernel's producer prefetches the page $DA_KV_PREFETCH - 1 tiles (default 1:
-                    the page itself) ahead of the one whose stage it waits for into L2, against no prefetch
+  KV_PREFETCH       cutedsl: the 16-bit kernel's producer prefetches the page $DA_KV_PREFETCH - 1 tiles (default 2:
+                    the next page) ahead of the one whose stage it waits for into L2, on either ring (mla_decode.
+                    KV_PREFETCH and KV_PARTS_PREFETCH), against no prefetch on either
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -162,10 +163,10 @@ def _kv_split(on: bool):
 
 
 def _kv_prefetch(on: bool):
-    """The 16-bit CuTe DSL kernel's L2 prefetch DA_KV_PREFETCH (default 1) tiles ahead (mla_decode.KV_PREFETCH),
-    against none."""
-    importlib.import_module("mlaserve.kernels.cutedsl.mla_decode").KV_PREFETCH = (
-        int(os.environ.get("DA_KV_PREFETCH", "1")) if on else 0)
+    """The 16-bit CuTe DSL kernel's L2 prefetch DA_KV_PREFETCH (default 2) tiles ahead on both of its KV rings
+    (mla_decode.KV_PREFETCH and KV_PARTS_PREFETCH), against none on either."""
+    cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    cd.KV_PREFETCH = cd.KV_PARTS_PREFETCH = int(os.environ.get("DA_KV_PREFETCH", "2")) if on else 0
 
 
 def _balanced_ordered(on: bool):

@@ -82,13 +82,16 @@ def test_cluster_size_groups_the_row_tiles_of_a_request(rows, kv_fp8, want):
 
 
 @pytest.mark.parametrize("rows, kv_split, want", [
-    (16, True, (3, False)), (64, True, (3, False)), (128, True, (3, False)),
-    (256, True, (1, True)), (512, True, (1, True)), (256, False, (3, False))])
-def test_kv_ring_splits_pages_by_consumer_from_256_rows(monkeypatch, rows, kv_split, want):
-    """KV_SPLIT's ring where a request has KV_SPLIT_MIN_ROWS (256) rows or more, KV_PARTS column parts below it."""
+    (16, True, (3, False, 0)), (64, True, (3, False, 0)), (128, True, (1, True, 2)),
+    (256, True, (1, True, 2)), (512, True, (1, True, 2)), (256, False, (3, False, 0))])
+def test_kv_ring_splits_pages_by_consumer_from_128_rows(monkeypatch, rows, kv_split, want):
+    """By default KV_SPLIT's ring, prefetching KV_PREFETCH pages ahead, where a request has 128 rows or more
+    (KV_SPLIT_MIN_ROWS), KV_PARTS column parts with KV_PARTS_PREFETCH below it."""
     monkeypatch.setattr(cd, "KV_SPLIT", kv_split)
     monkeypatch.setattr(cd, "KV_PARTS", 3)
-    monkeypatch.setattr(cd, "KV_SPLIT_MIN_ROWS", 256)
+    monkeypatch.setattr(cd, "KV_PREFETCH", 2)
+    monkeypatch.setattr(cd, "KV_PARTS_PREFETCH", 0)
+    assert cd.KV_SPLIT_MIN_ROWS == 128
     assert cd.kv_ring(rows) == want
 
 

@@ -55,28 +55,28 @@ def test_sparse_softmax_switches_set_the_sparse_modules_flags(monkeypatch):
 
 def test_kv_ring_switches_set_their_values_and_only_theirs(monkeypatch):
     """KV_SPLIT takes its threshold from DA_KV_SPLIT_MIN_ROWS (the module's when unset) and turns the ring off
-    again; KV_PREFETCH sets DA_KV_PREFETCH tiles ahead (1 when unset) against none."""
-    for name in ("KV_SPLIT", "KV_SPLIT_MIN_ROWS", "KV_PREFETCH"):
+    again; KV_PREFETCH sets DA_KV_PREFETCH tiles ahead (2 when unset) on both rings against none on either."""
+    for name in ("KV_SPLIT", "KV_SPLIT_MIN_ROWS", "KV_PREFETCH", "KV_PARTS_PREFETCH"):
         monkeypatch.setattr(cd, name, getattr(cd, name))      # restored after the test
     default_rows = cd.KV_SPLIT_MIN_ROWS
     _, split = decode_ab.SWITCHES["KV_SPLIT"]
-    monkeypatch.setenv("DA_KV_SPLIT_MIN_ROWS", "128")
+    monkeypatch.setenv("DA_KV_SPLIT_MIN_ROWS", "64")
     split(True)
-    assert (cd.KV_SPLIT, cd.KV_SPLIT_MIN_ROWS) == (True, 128)
-    assert cd.kv_ring(128) == (1, True)
+    assert (cd.KV_SPLIT, cd.KV_SPLIT_MIN_ROWS) == (True, 64)
+    assert cd.kv_ring(64) == (1, True, cd.KV_PREFETCH)
     split(False)
-    assert cd.KV_SPLIT is False and cd.kv_ring(256) == (cd.KV_PARTS, False)
+    assert cd.KV_SPLIT is False and cd.kv_ring(256) == (cd.KV_PARTS, False, cd.KV_PARTS_PREFETCH)
     monkeypatch.delenv("DA_KV_SPLIT_MIN_ROWS")
     split(True)
     assert cd.KV_SPLIT_MIN_ROWS == default_rows
     _, prefetch = decode_ab.SWITCHES["KV_PREFETCH"]
     prefetch(True)
-    assert cd.KV_PREFETCH == 1
+    assert (cd.KV_PREFETCH, cd.KV_PARTS_PREFETCH) == (2, 2)
     monkeypatch.setenv("DA_KV_PREFETCH", "3")
     prefetch(True)
-    assert cd.KV_PREFETCH == 3
+    assert (cd.KV_PREFETCH, cd.KV_PARTS_PREFETCH) == (3, 3)
     prefetch(False)
-    assert cd.KV_PREFETCH == 0
+    assert (cd.KV_PREFETCH, cd.KV_PARTS_PREFETCH) == (0, 0)
 
 
 def test_set_module_value_sets_bools_and_ints_and_refuses_what_it_cannot_set(monkeypatch):

@@ -291,7 +291,7 @@ def test_kv_parts_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles,
     (NaN-poisoned unused slots), and the same bits as one barrier a page (the k-blocks accumulate in the same
     order)."""
     q, kv, table, seqlens = _ragged_case(monkeypatch, b, s_q, h, min_tiles, seed=5 * b + s_q)
-    monkeypatch.setattr(cd, "KV_SPLIT", False)      # the default at 256 rows and more
+    monkeypatch.setattr(cd, "KV_SPLIT", False)      # KV_PARTS's ring at every row count
     _assert_same_bits(monkeypatch, "KV_PARTS", 1, parts, q, kv, table, seqlens, num_splits)
 
 
@@ -328,20 +328,29 @@ def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, ahead", [
-    (8, 1, 64, 1, None, 1),        # a grid of single CTAs, the page about to be loaded
-    (8, 2, 64, 1, None, 2),        # a grid, clusters of 2, a page ahead of it
-    (200, 1, 128, 1, -1, 1),       # persistent, tickets (KV_PARTS's ring)
-    (150, 2, 128, 1, -1, 2),       # persistent, tickets, 256 rows (KV_SPLIT's ring, pad tiles)
-    (150, 2, 128, 1, 0, 1),        # persistent, stream-K
-    (4, 1, 128, 4, None, 3),       # split
+@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles, ahead, ring", [
+    (8, 1, 64, 1, None, 1, "parts"),        # a grid of single CTAs, the page about to be loaded
+    (8, 2, 64, 1, None, 2, "split"),        # a grid, clusters of 2, a page ahead of it
+    (200, 1, 64, 1, -1, 2, "parts"),        # persistent (200 items), tickets, 64 rows
+    (200, 1, 128, 1, -1, 1, "parts"),       # persistent, tickets, 128 rows
+    (200, 1, 128, 1, -1, 2, "split"),       # ... on KV_SPLIT's ring (the default there)
+    (150, 2, 128, 1, -1, 2, "split"),       # persistent, tickets, 256 rows (pad tiles)
+    (150, 2, 128, 1, 0, 1, "split"),        # persistent, stream-K
+    (4, 1, 128, 4, None, 3, "split"),       # split
+    (4, 1, 128, 4, None, 2, "parts"),
 ])
-def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min_tiles, ahead):
-    """mla_decode.KV_PREFETCH (the producer's TMA prefetches of the pages ahead into L2, no barrier): within the
-    reference's tolerances on ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and the
-    same bits as without it, in every launch form (min_tiles -1: STREAM_K off)."""
+def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min_tiles, ahead, ring):
+    """mla_decode.KV_PREFETCH and KV_PARTS_PREFETCH (the producer's TMA prefetches of the pages ahead into L2 on
+    KV_SPLIT's and KV_PARTS's rings, no barrier): within the reference's tolerances on ragged lengths with empty and
+    one-token requests (NaN-poisoned unused slots), and the same bits as without, in every launch form (min_tiles
+    -1: STREAM_K off)."""
     q, kv, table, seqlens = _ragged_case(monkeypatch, b, s_q, h, min_tiles, seed=11 * b + s_q)
-    _assert_same_bits(monkeypatch, "KV_PREFETCH", 0, ahead, q, kv, table, seqlens, num_splits)
+    if ring == "split":
+        monkeypatch.setattr(cd, "KV_SPLIT_MIN_ROWS", 0)
+    else:
+        monkeypatch.setattr(cd, "KV_SPLIT", False)
+    name = "KV_PREFETCH" if ring == "split" else "KV_PARTS_PREFETCH"
+    _assert_same_bits(monkeypatch, name, 0, ahead, q, kv, table, seqlens, num_splits)
 
 
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),

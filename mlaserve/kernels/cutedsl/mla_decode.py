@@ -268,15 +268,20 @@ SPEC_EXP = True
 # On an H100 (bench/NOTES.md 110; decode_ab --sustain-ms 20, two runs of 10 and 20 rounds, b128): KV_SPLIT 1.037 /
 # 1.048x at h128 s_q2 4k (256 rows), 1.00-1.01x at h128 s_q1, 0.976-0.978x at 64 rows (h64 8k, h16 4k);
 # KV_PARTS = 3 1.033-1.035x at h128 s_q1 4k, 1.023-1.027x 8k, 1.027-1.031x h64 s_q2, 1.006-1.008x h128 s_q2, level
-# at 64 rows; KV_PARTS = 9 0.986-1.002x.
+# at 64 rows; KV_PARTS = 9 0.986-1.002x. With KV_PREFETCH (below) KV_SPLIT also leads at 128 rows (NOTES 114:
+# 1.063-1.083x over KV_PARTS, both prefetching 2 ahead; 1.02-1.04x over KV_PARTS without), hence 128.
 KV_SPLIT = True
-KV_SPLIT_MIN_ROWS = 256
+KV_SPLIT_MIN_ROWS = 128
 KV_PARTS = 3
-# 16-bit KV: the producer, before it waits for tile t's stage, prefetches the page of tile t + KV_PREFETCH - 1 into
+# 16-bit KV: the producer, before it waits for tile t's stage, prefetches the page of tile t + prefetch - 1 into
 # L2 (a TMA prefetch: its read from memory starts a tile or more before the stage is free, and the load then reads
 # L2). Where pages land late (h128 s_q1 on an H100 streams ~80% of the copy bandwidth; KV_SPLIT's parts are freed
-# later) the refill's latency is on the consumers' chain (bench/NOTES.md 112). 0: none. Not yet run on a GPU.
-KV_PREFETCH = 0
+# later) the refill's latency is on the consumers' chain (bench/NOTES.md 112). KV_PREFETCH for KV_SPLIT's ring,
+# KV_PARTS_PREFETCH for KV_PARTS's; 0: none. On an H100 (NOTES 114, decode_ab --sustain-ms 20, 10 rounds, b128):
+# on KV_SPLIT's ring 1.031-1.064x at 2 ahead (1.043-1.056x at 1, 1.031-1.062x at 3) over h128 s_q2 4k/8k and
+# h64 s_q4; on KV_PARTS's 0.972-0.997x at 1 and 2, 0.943-0.954x at 3 (128 rows), 0.980-0.992x at 1 (64 rows).
+KV_PREFETCH = 2
+KV_PARTS_PREFETCH = 0
 TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
@@ -368,11 +373,12 @@ def uses_fp8_mma(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bo
             and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
-def kv_ring(rows: int) -> tuple[int, bool]:
-    """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring)."""
+def kv_ring(rows: int) -> tuple[int, bool, int]:
+    """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring, pages
+    prefetched ahead into L2)."""
     if KV_SPLIT and rows >= KV_SPLIT_MIN_ROWS:
-        return 1, True
-    return KV_PARTS, False
+        return 1, True, KV_PREFETCH
+    return KV_PARTS, False, KV_PARTS_PREFETCH
 
 
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
@@ -415,8 +421,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
                                 "spec_exp": SPEC_EXP}
     if not kv_fp8:
-        seesaw["kv_parts"], seesaw["kv_split"] = kv_ring(rows)
-        seesaw["kv_prefetch"] = KV_PREFETCH
+        seesaw["kv_parts"], seesaw["kv_split"], seesaw["kv_prefetch"] = kv_ring(rows)
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:
