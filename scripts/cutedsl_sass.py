@@ -4,8 +4,9 @@ remarks on the kernel's PTX (`-v`: a C7515 line means its wgmmas were serialized
 a wait or a fence). A kernel change is checked here before device time is spent (bench/NOTES.md 74, 77).
 
     python scripts/cutedsl_sass.py fp8mma [--split] [--flag FP8_MMA_VEC_IO=0 ...] [--out DIR] [--ops FILE]
-    kinds: bf16 (the 16-bit 64-row kernel), bf16-pairs (the same as the persistent ticket launch of 2-CTA clusters
-    that 128 rows a request take), fp8mma, n16, n32, w64 (the FP8 decode kernels), sparse, sparse-fp8
+    kinds: bf16 (the 16-bit grid kernel, 64 rows a request unless --rows says more: then clusters as mla_decode
+    launches them), bf16-pairs (the persistent ticket launch of 2-CTA clusters that 128 rows a request take, or
+    --rows), fp8mma, n16, n32, w64 (the FP8 decode kernels), sparse, sparse-fp8
 
 --flag sets an mla_decode module flag (sparse_mla's for the sparse kinds) before compiling; --ops writes the
 kernel's instructions without addresses and encodings, so that two builds compare with `cmp` (a refactor that
@@ -31,7 +32,7 @@ KINDS = ("bf16", "bf16-pairs", "fp8mma", "n16", "n32", "w64", "sparse", "sparse-
 INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", re.M)
 
 
-def compile_kernel(kind: str, split: bool, flags: list[str], ordered: bool = False) -> None:
+def compile_kernel(kind: str, split: bool, flags: list[str], ordered: bool = False, rows: int = 0) -> None:
     import torch
     sparse = kind.startswith("sparse")
     mod = importlib.import_module("mlaserve.kernels.cutedsl." + ("sparse_mla" if sparse else "mla_decode"))
@@ -42,12 +43,13 @@ def compile_kernel(kind: str, split: bool, flags: list[str], ordered: bool = Fal
         fp8 = kind == "sparse-fp8"
         mod._kernel(torch.bfloat16, split, fp8=fp8, store16=mod.STORE_16B, softmax=(mod.LAZY_RESCALE, mod.TREE_MAX))
     elif kind == "bf16":
-        mod._kernel(torch.bfloat16, True, split, ordered=ordered)
+        rows = rows or mod.TILE_M
+        mod._kernel(torch.bfloat16, True, split, cluster=mod.cluster_size(rows, False), ordered=ordered, rows=rows)
     elif kind == "bf16-pairs":
         if split:
             raise SystemExit("bf16-pairs is a persistent launch: unsplit only")
         mod._kernel(torch.bfloat16, True, False, cluster=2, persistent=True, store16=mod.STORE_16B,
-                    early_sums=mod.EARLY_SUMS, rank_order=mod.RANK_ORDER)
+                    early_sums=mod.EARLY_SUMS, rank_order=mod.RANK_ORDER, rows=rows or 2 * mod.TILE_M)
     else:
         narrow = {"fp8mma": 16, "n16": 16, "n32": 32, "w64": 0}[kind]
         mod._kernel(torch.bfloat16, True, split, kv_fp8=True, narrow=narrow, fp8_mma=kind == "fp8mma", ordered=ordered)
@@ -99,6 +101,9 @@ def main():
     ap.add_argument("--flag", action="append", default=[],
                     help="NAME=VALUE, a bool or int of the module set before compiling")
     ap.add_argument("--ordered", action="store_true", help="a grid kind's ordered launch (requests through an order)")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="the 16-bit kinds' query rows a request, which pick the KV ring (mla_decode.kv_ring) and, for "
+                         "bf16, the cluster (default: 64 for bf16, 128 for bf16-pairs)")
     ap.add_argument("--out", default="/tmp/cutedsl_sass")
     ap.add_argument("--ops", default=None, help="write the instruction list (no addresses, no encodings) here")
     a = ap.parse_args()
@@ -106,7 +111,7 @@ def main():
     for f in glob.glob(os.path.join(a.out, "*")):
         os.remove(f)
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=a.out)
-    compile_kernel(a.kind, a.split, a.flag, a.ordered)
+    compile_kernel(a.kind, a.split, a.flag, a.ordered, a.rows)
     import triton
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     cubin, ptx = (sorted(glob.glob(os.path.join(a.out, f"*.{ext}")))[-1] for ext in ("cubin", "ptx"))
@@ -116,7 +121,7 @@ def main():
     if a.ops:
         open(a.ops, "w").write("\n".join(t for _, t in instrs) + "\n")
     usage = subprocess.run([f"{bindir}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
-    print(a.kind, "split" if a.split else "", " ".join(a.flag))
+    print(a.kind, "split" if a.split else "", f"rows {a.rows}" if a.rows else "", " ".join(a.flag))
     print("resources:", " ".join(re.findall(r"(?:REG|STACK|SHARED|LOCAL):\d+", usage)), f"instructions:{len(instrs)}")
     print("SASS:", " ".join(f"{o}:{n}" for o, n in Counter(_op(t).split(".")[0] for _, t in instrs).most_common(30)))
     loop = longest_loop(instrs)
