@@ -269,7 +269,7 @@ SPEC_EXP = True
 # 1.048x at h128 s_q2 4k (256 rows), 1.00-1.01x at h128 s_q1, 0.976-0.978x at 64 rows (h64 8k, h16 4k);
 # KV_PARTS = 3 1.033-1.035x at h128 s_q1 4k, 1.023-1.027x 8k, 1.027-1.031x h64 s_q2, 1.006-1.008x h128 s_q2, level
 # at 64 rows; KV_PARTS = 9 0.986-1.002x. With KV_PREFETCH (below) KV_SPLIT also leads at 128 rows (NOTES 114:
-# 1.063-1.083x over KV_PARTS, both prefetching 2 ahead; 1.02-1.04x over KV_PARTS without), hence 128.
+# 1.063-1.083x over KV_PARTS, both prefetching 2 ahead; 1.02-1.05x over KV_PARTS without), hence 128.
 KV_SPLIT = True
 KV_SPLIT_MIN_ROWS = 128
 KV_PARTS = 3
@@ -278,7 +278,7 @@ KV_PARTS = 3
 # L2). Where pages land late (h128 s_q1 on an H100 streams ~80% of the copy bandwidth; KV_SPLIT's parts are freed
 # later) the refill's latency is on the consumers' chain (bench/NOTES.md 112). KV_PREFETCH for KV_SPLIT's ring,
 # KV_PARTS_PREFETCH for KV_PARTS's; 0: none. On an H100 (NOTES 114, decode_ab --sustain-ms 20, 10 rounds, b128):
-# on KV_SPLIT's ring 1.031-1.064x at 2 ahead (1.043-1.056x at 1, 1.031-1.062x at 3) over h128 s_q2 4k/8k and
+# on KV_SPLIT's ring 1.041-1.064x at 2 ahead (1.043-1.056x at 1, 1.031-1.062x at 3) over h128 s_q2 4k/8k and
 # h64 s_q4; on KV_PARTS's 0.972-0.997x at 1 and 2, 0.943-0.954x at 3 (128 rows), 0.980-0.992x at 1 (64 rows).
 KV_PREFETCH = 2
 KV_PARTS_PREFETCH = 0

@@ -227,7 +227,7 @@ class MLADecodeSm90:
         # odd): S's k-blocks go in its owner's order, so a tile's owner must not depend on the dynamic schedule
         self.pad_items = kv_split and persistent and not streamk
         # the producer, before waiting for tile t's stage, prefetches tile t + kv_prefetch - 1's page into L2 (TMA
-        # prefetch), so that its read from memory starts before the stage is free (mla_decode.KV_PREFETCH); 0: none
+        # prefetch), so that its read from memory starts before the stage is free (mla_decode.kv_ring); 0: none
         if kv_prefetch < 0:
             raise ValueError(f"kv_prefetch counts tiles ahead, got {kv_prefetch}")
         self.kv_prefetch = kv_prefetch
