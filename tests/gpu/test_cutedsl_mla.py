@@ -337,7 +337,7 @@ def test_kv_split_match_reference(monkeypatch, b, s_q, h, num_splits, min_tiles)
     (150, 2, 128, 1, -1, 2, "split"),       # persistent, tickets, 256 rows (pad tiles)
     (150, 2, 128, 1, 0, 1, "split"),        # persistent, stream-K
     (4, 1, 128, 4, None, 3, "split"),       # split
-    (4, 1, 128, 4, None, 2, "parts"),
+    (4, 1, 128, 4, None, 2, "parts"),       # ... on KV_PARTS's ring
 ])
 def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min_tiles, ahead, ring):
     """mla_decode.KV_PREFETCH and KV_PARTS_PREFETCH (the producer's TMA prefetches of the pages ahead into L2 on
@@ -347,9 +347,10 @@ def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min
     q, kv, table, seqlens = _ragged_case(monkeypatch, b, s_q, h, min_tiles, seed=11 * b + s_q)
     if ring == "split":
         monkeypatch.setattr(cd, "KV_SPLIT_MIN_ROWS", 0)
+        name = "KV_PREFETCH"
     else:
         monkeypatch.setattr(cd, "KV_SPLIT", False)
-    name = "KV_PREFETCH" if ring == "split" else "KV_PARTS_PREFETCH"
+        name = "KV_PARTS_PREFETCH"
     _assert_same_bits(monkeypatch, name, 0, ahead, q, kv, table, seqlens, num_splits)
 
 
