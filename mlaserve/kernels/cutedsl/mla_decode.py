@@ -269,7 +269,9 @@ SPEC_EXP = True
 # 1.048x at h128 s_q2 4k (256 rows), 1.00-1.01x at h128 s_q1, 0.976-0.978x at 64 rows (h64 8k, h16 4k);
 # KV_PARTS = 3 1.033-1.035x at h128 s_q1 4k, 1.023-1.027x 8k, 1.027-1.031x h64 s_q2, 1.006-1.008x h128 s_q2, level
 # at 64 rows; KV_PARTS = 9 0.986-1.002x. With KV_PREFETCH (below) KV_SPLIT also leads at 128 rows (NOTES 114:
-# 1.063-1.083x over KV_PARTS, both prefetching 2 ahead; 1.02-1.05x over KV_PARTS without), hence 128.
+# 1.063-1.083x over KV_PARTS, both prefetching 2 ahead; 1.02-1.05x over KV_PARTS without), hence 128. At b9b3925
+# against KV_PARTS without the prefetch (NOTES 116, same process): b128 h128 4k 1.048x, the split grids b16 / b4 /
+# b1 h128 32k 1.051 / 1.017 / 0.995x; from 64 rows (with the prefetch) 0.911-0.922x at h64, h32 s_q2, h16 s_q4.
 KV_SPLIT = True
 KV_SPLIT_MIN_ROWS = 128
 KV_PARTS = 3
