@@ -67,8 +67,6 @@ switches, read at launch (so captured with each graph):
   KV_PREFETCH       cutedsl: the 16-bit kernel's producer prefetches the page $DA_KV_PREFETCH - 1 tiles (default 2:
                     the next page) ahead of the one whose stage it waits for into L2, on either ring (mla_decode.
                     KV_PREFETCH and KV_PARTS_PREFETCH), against no prefetch on either
-  KV_SPLIT_DYNAMIC  cutedsl: KV_SPLIT's ring with a consumer's own V half of S issued after the other consumer's
-                    P(t-1) V_w where that half has not landed yet (mla_decode.KV_SPLIT_DYNAMIC), against always before
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -269,7 +267,6 @@ SWITCHES = {
     "KV_PARTS": ("cutedsl", _kv_parts),
     "KV_SPLIT": ("cutedsl", _kv_split),
     "KV_PREFETCH": ("cutedsl", _kv_prefetch),
-    "KV_SPLIT_DYNAMIC": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "KV_SPLIT_DYNAMIC")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

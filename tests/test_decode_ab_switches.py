@@ -79,17 +79,6 @@ def test_kv_ring_switches_set_their_values_and_only_theirs(monkeypatch):
     assert (cd.KV_PREFETCH, cd.KV_PARTS_PREFETCH) == (0, 0)
 
 
-def test_kv_split_dynamic_switch_sets_the_module_flag(monkeypatch):
-    monkeypatch.setattr(cd, "KV_SPLIT_DYNAMIC", cd.KV_SPLIT_DYNAMIC)      # restored after the test
-    assert cd.KV_SPLIT_DYNAMIC is False, "an order not yet run on a GPU stays off"
-    backend, dynamic = decode_ab.SWITCHES["KV_SPLIT_DYNAMIC"]
-    assert backend == "cutedsl"
-    dynamic(True)
-    assert cd.KV_SPLIT_DYNAMIC is True
-    dynamic(False)
-    assert cd.KV_SPLIT_DYNAMIC is False
-
-
 def test_set_module_value_sets_bools_and_ints_and_refuses_what_it_cannot_set(monkeypatch):
     """decode_ab --set and cutedsl_sass --flag (mlaserve.bench.switches): an existing bool or int, else an exit
     naming the item."""

@@ -354,25 +354,6 @@ def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min
     _assert_same_bits(monkeypatch, name, 0, ahead, q, kv, table, seqlens, num_splits)
 
 
-@pytest.mark.parametrize("b, s_q, h, num_splits, min_tiles", [
-    (8, 1, 64, 1, None),           # a grid of single CTAs
-    (8, 2, 64, 1, None),           # a grid, clusters of 2
-    (5, 3, 16, 1, None),           # 16 heads padded to a 64-row tile, s_q 3
-    (200, 1, 128, 1, -1),          # persistent, tickets, 128 rows
-    (150, 2, 128, 1, -1),          # persistent, tickets, 256 rows: pad tiles
-    (150, 2, 128, 1, 0),           # persistent, stream-K (every case cut)
-    (4, 1, 128, 4, None),          # split
-])
-def test_kv_split_dynamic_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min_tiles):
-    """mla_decode.KV_SPLIT_DYNAMIC (a consumer issues its own V half's k-blocks of S before or after the other
-    consumer's P(t-1) V_w, by whether the half has landed; one thread tests, smem tells the warpgroup): within the
-    reference's tolerances on ragged lengths with empty and one-token requests (NaN-poisoned unused slots), and the
-    same bits as the fixed order (the k-blocks keep their order), in every launch form of KV_SPLIT's ring."""
-    q, kv, table, seqlens = _ragged_case(monkeypatch, b, s_q, h, min_tiles, seed=13 * b + s_q)
-    monkeypatch.setattr(cd, "KV_SPLIT_MIN_ROWS", 0)
-    _assert_same_bits(monkeypatch, "KV_SPLIT_DYNAMIC", False, True, q, kv, table, seqlens, num_splits)
-
-
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
                                          (64, 1, True)])
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):

@@ -275,13 +275,6 @@ SPEC_EXP = True
 KV_SPLIT = True
 KV_SPLIT_MIN_ROWS = 128
 KV_PARTS = 3
-# KV_SPLIT's ring: a consumer's own tile t issues S's rope k-blocks, then its own V half's before the wait for the other
-# consumer's P(t-1) where that half has landed (an mbarrier test by one thread, shared through smem), else after
-# issuing P(t-1) V_w; the same k-block order, so the same bits. Off: the half's k-blocks always first. Why: ncu at
-# b128 h128 s_q2 4k on an H100 (bench/NOTES.md 116) puts 9.7% of the consumers' samples on the wait for that half,
-# which the same consumer freed at the end of its previous own tile, against ~7% on the wait for P(t-1). Not yet
-# run on a GPU.
-KV_SPLIT_DYNAMIC = False
 # 16-bit KV: the producer, before it waits for tile t's stage, prefetches the page of tile t + prefetch - 1 into
 # L2 (a TMA prefetch: its read from memory starts a tile or more before the stage is free, and the load then reads
 # L2). Where pages land late (h128 s_q1 on an H100 streams ~80% of the copy bandwidth; KV_SPLIT's parts are freed
@@ -431,7 +424,6 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                 "spec_exp": SPEC_EXP}
     if not kv_fp8:
         seesaw["kv_parts"], seesaw["kv_split"], seesaw["kv_prefetch"] = kv_ring(rows)
-        seesaw["kv_split_dynamic"] = KV_SPLIT_DYNAMIC and seesaw["kv_split"]
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
     fn = _compiled.get(key)
     if fn is None:

@@ -104,7 +104,6 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
-FLAG_SLOTS = 4        # kv_split_dynamic: sMax[TILE_M + 2w + (t // 2) % 2], consumer w's choice for own tile t
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
 # then the producer's clock at the item's hand-over, its Q load issued and its first page issued; consumer 0's clock
@@ -172,7 +171,7 @@ class MLADecodeSm90:
                  trace: bool = False, store16: bool = False, streamk: bool = False, early_sums: bool = True,
                  rank_order: bool = False, lazy_rescale: bool = False, fold_scale: bool = False,
                  tree_max: bool = False, spec_exp: bool = False, ordered: bool = False, kv_parts: int = 1,
-                 kv_split: bool = False, kv_prefetch: int = 0, kv_split_dynamic: bool = False):
+                 kv_split: bool = False, kv_prefetch: int = 0):
         self.dtype = dtype
         self.causal = causal
         self.is_split = is_split
@@ -224,14 +223,6 @@ class MLADecodeSm90:
         self.kv_split = kv_split
         if kv_split and kv_parts != 1:
             raise ValueError(f"kv_split loads its own parts, got kv_parts={kv_parts}")
-        # kv_split: each own tile's S issues its rope k-blocks, then V half w's before the wait for the other consumer's
-        # P(t-1) only where that half has already landed, else after issuing P(t-1) V_w (mla_decode.KV_SPLIT_DYNAMIC).
-        # The k-blocks keep their order (the same bits); the choice is made by one thread and shared through smem
-        # (FLAG_SLOTS Float32 after the row maxima) so that the warpgroup's four warps issue the same wgmmas
-        if kv_split_dynamic and not kv_split:
-            raise ValueError("kv_split_dynamic is an order of kv_split's ring")
-        self.kv_split_dynamic = kv_split_dynamic
-        self.flag_slots = FLAG_SLOTS if kv_split_dynamic else 0
         # kv_split's ticket launches start every item on ring stage 0 (a pad tile where the CTA's tiles so far are
         # odd): S's k-blocks go in its owner's order, so a tile's owner must not depend on the dynamic schedule
         self.pad_items = kv_split and persistent and not streamk
@@ -327,7 +318,7 @@ class MLADecodeSm90:
         class SharedStorage:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_barriers]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            row_max: cute.struct.MemRange[Float32, TILE_M + self.flag_slots]
+            row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
@@ -342,7 +333,7 @@ class MLADecodeSm90:
             item_slot: cute.struct.MemRange[Int32, ITEM_STAGES]
             chan_slot: cute.struct.MemRange[Int32, 2]
             arrivals: cute.struct.MemRange[Int32, 2]              # stream-K: a piece's arrival count, broadcast
-            row_max: cute.struct.MemRange[Float32, TILE_M + self.flag_slots]
+            row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
             order: cute.struct.MemRange[cutlass.Int16, ORDER_MAX_B]  # rank_order: the requests, longest first
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -417,7 +408,7 @@ class MLADecodeSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M + self.flag_slots))
+        sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
         sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2, 2)))     # [row, consumer, item parity]
         if const_expr(not self.persistent):
             seqlen = mSeqlens[batch]
@@ -817,33 +808,14 @@ class MLADecodeSm90:
             own = tile_state(g + t)
             prev = tile_state(g + t - 1)           # used only for t > 0
             tSrK_t = tSrK[None, None, None, own.index]
+            # -- c1: the rope's and V half w's k-blocks of S(t) --
             kv_pipe.rope.consumer_wait(own)
-            if const_expr(self.kv_split_dynamic):
-                # -- c1: the rope's k-blocks; then half w's and a, b in the order the half allows --
-                self._issue_s_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, "rope")
-                if t > 0:
-                    if self._half_landed(kv_pipe, own, cw, ctid, sMax, t) != 0:
-                        kv_pipe.wait_half(own, cw)
-                        self._issue_s_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, "own")
-                        other_tile_pv_issue(cw, prev, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l,
-                                            acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
-                    else:
-                        # the half is still loading: P(t-1) V_w goes first, S(t)'s half behind it
-                        other_tile_pv_issue(cw, prev, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l,
-                                            acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
-                        kv_pipe.wait_half(own, cw)
-                        self._issue_s_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, "own")
-                else:
-                    kv_pipe.wait_half(own, cw)
-                    self._issue_s_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, "own")
-            else:
-                # -- c1: the rope's and V half w's k-blocks of S(t) --
-                kv_pipe.wait_half(own, cw)
-                self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, True)
-                if t > 0:
-                    # -- a, b: the other consumer's tile t - 1 into this half of O, issued behind S(t)'s first part --
-                    other_tile_pv_issue(cw, prev, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l,
-                                        acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
+            kv_pipe.wait_half(own, cw)
+            self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, True)
+            if t > 0:
+                # -- a, b: the other consumer's tile t - 1 into this half of O, issued behind S(t)'s first part --
+                other_tile_pv_issue(cw, prev, lambda st: kv_pipe.wait_half(st, cw), sMax, r0, row_m, row_l, acc_o,
+                                    tiled_mma_pv, tOrPs, tOrV, lazy)
             # -- c2: the other half's k-blocks --
             kv_pipe.wait_half(own, 1 - cw)
             self._issue_s_part(tiled_mma_qk, acc_s, tSrQ, tSrK_t, cw, False)
@@ -880,40 +852,6 @@ class MLADecodeSm90:
             issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(0, first), first)
         else:
             issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(1, first), first)
-
-    @cute.jit
-    def _issue_s_blocks(self, tiled_mma_qk: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                        cw: Int32, part: cutlass.Constexpr[str]):
-        """kv_split_dynamic's S(t) parts, each a committed group: "rope" (zeroing acc_s) or "own" (V half cw's); the two
-        are _issue_s_part's first group, in the same order."""
-        rope = s_part_blocks(0, True)[:(D_QK - D_V) // 16]
-        if const_expr(part == "rope"):
-            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, rope, True)
-        elif cw == 0:
-            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(0, True)[len(rope):], False)
-        else:
-            issue_k_blocks(tiled_mma_qk, acc_s, tSrQ, tSrK, s_part_blocks(1, True)[len(rope):], False)
-
-    @cute.jit
-    def _half_landed(self, kv_pipe: KVSplit, own: pipeline.PipelineState, cw: Int32, ctid: Int32, sMax: cute.Tensor,
-                     t: Int32) -> Int32:
-        """kv_split_dynamic: whether V half cw of own tile t (state `own`) has landed, tested (not waited for) by this
-        consumer's thread 0 and shared with its other threads through sMax's slot 2 cw + (t // 2) % 2 after
-        TILE_M, behind a barrier of the warpgroup, so that all four warps take the same branch. The slots alternate:
-        a thread reads tile t's before it reaches the barrier of tile t + 2, after which thread 0 writes tile
-        t + 4's."""
-        slot = TILE_M + 2 * cw + (t // 2) % 2
-        if ctid == 0:
-            hs = kv_pipe.half_state(own, cw)
-            flag = Float32(0.0)
-            if kv_pipe.halves.sync_object_full.test_wait(hs.index, hs.phase):
-                flag = Float32(1.0)
-            sMax[slot] = flag
-        cute.arch.barrier(barrier_id=BAR_WG + cw, number_of_threads=128)
-        landed = Int32(0)
-        if sMax[slot] > Float32(0.5):
-            landed = Int32(1)
-        return cute.arch.make_warp_uniform(landed)
 
     @cute.jit
     def _own_tile_pv(self, acc_o: cute.Tensor, alpha: cute.Tensor, tiled_mma_pv_rs: cute.TiledMma, tOrP: cute.Tensor,
