@@ -428,6 +428,30 @@ def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h, num_split
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("b, s_q, h, num_splits, causal", [
+    (8, 1, 128, 1, True),       # two row blocks a request
+    (5, 1, 80, 1, True),        # a full block, then a partial one
+    (6, 2, 64, 1, True),        # s_q 2: causal among the new tokens
+    (3, 3, 64, 1, False),       # s_q 3, not causal
+    (4, 1, 128, 4, True),       # split partials
+    (150, 1, 64, 1, True),      # more CTAs than SMs
+])
+def test_fp8_half_ring_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, causal):
+    """mla_decode.FP8_HALF_RING (the 64-row FP8 kernel's bf16 tile as three column-half slots, one raw stage, k_pe
+    by the consumers' TMA two pages ahead): within the reference's tolerances on ragged lengths (an empty request,
+    one token, page edges, 0xFF-poisoned unused slots), and the same bits as the whole-tile ring: the same values in
+    the same wgmma k-step order."""
+    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h + s_q)
+    monkeypatch.setattr(cd, "FP8_HALF_RING", False)
+    out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    monkeypatch.setattr(cd, "FP8_HALF_RING", True)
+    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, causal)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_HALF_RING changed the bits"
+
+
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])
 def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]

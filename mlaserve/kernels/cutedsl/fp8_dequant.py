@@ -20,6 +20,7 @@ RAW_WORDS = 132       # a row of the raw stage in 32-bit words (528 B)
 SCALE_WORD = 128      # the scales start at byte 512
 EXP_120 = 120 << 23   # adds 120 to an fp32 exponent: scale * 2^120
 KV_BLOCKS = D_V // 64  # the bf16 tile's 64-column blocks (one swizzle atom wide; 4 QK k-steps each)
+HALF_BLOCKS = KV_BLOCKS // 2  # a column half's blocks (store_half)
 
 
 @cute.jit
@@ -80,6 +81,18 @@ def store_tile(tidx: Int32, page, kv_base: Int32, kv_full: cute.Pointer, valid: 
     raw, scale = page
     for cb in range(KV_BLOCKS):
         _store_block(raw[cb], scale[cb // 2], prow, pc, keep, kv_base, kv_full, cb, release_every)
+
+
+def store_half(tidx: Int32, page, half: int, slot_base: Int32, full: cute.Pointer, valid: Int32):
+    """Column half `half` (blocks 4 half .. 4 half + 3) of load_raw_page's registers (`page`) into a half-tile
+    slot [64, 256] (4 blocks of 8 KB from shared address `slot_base`, the tile's block layout), then the proxy
+    fence and the hand-over on `full` (the 64-row FP8 kernel's half ring: mla_decode_fp8_kernel.py)."""
+    prow, pc = _thread_rows(tidx)
+    keep = _keep(prow, valid)
+    raw, scale = page
+    for j in range(HALF_BLOCKS):
+        cb = HALF_BLOCKS * half + j
+        _store_block(raw[cb], scale[cb // 2], prow, pc, keep, slot_base, full, j, HALF_BLOCKS)
 
 
 def _thread_rows(tidx: Int32):

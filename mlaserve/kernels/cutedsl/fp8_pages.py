@@ -14,7 +14,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page, store_tile
+from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page, store_half, store_tile
 
 TILE_N = 64           # cached tokens per tile: one page
 D_QK = 576
@@ -25,6 +25,8 @@ ROW_WORDS = 164       # 656 B
 ROPE_ELEMS = 328      # a row in bf16 elements; k_pe starts at element 264 (byte 528)
 RAW_STAGES = 2
 LOADER_THREADS = 128
+HALF_SLOTS = 3        # the 64-row FP8 kernel's half ring: bf16 slots of a column half [64, 256] each
+HALF_SLOT_BYTES = TILE_N * D_V
 
 
 def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
@@ -77,14 +79,16 @@ def fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch,
 
 def fp8_kernel_setup(tidx: Int32, storage, consumer_threads: int, q_rows: int, sQ_layout: cute.ComposedLayout,
                      sKV_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sRaw_layout: cute.Layout,
-                     tiles: int = 1, raw_pe: bool = True, raw_stages: int = RAW_STAGES):
+                     tiles: int = 1, raw_pe: bool = True, raw_stages: int = RAW_STAGES, tile_barriers: bool = True):
     """In the FP8 dense kernels, before the warp roles split: thread 0 initializes the bf16 tiles' barriers in
     `storage.kv_mbar` (per tile KV_BLOCKS kv_full, each completed by the loader's 128 threads; then a kv_empty a
     tile, by the `consumer_threads`); the raw ring's pipeline (a stage is freed by the 4 loader warps,
     dequantized, and, where k_pe travels in the raw stage (`raw_pe`), by the consumer warps once S used it: one
     elected lane per warp) and Q's (creating them fences the inits and syncs the CTA); the smem tensors.
+    Without `tile_barriers` the kernel initializes the tiles' barriers itself (before this call).
     -> (raw_pipe, q_pipe, sQ, sKV, sPE, sRaw)."""
-    _init_tile_barriers(tidx, storage.kv_mbar.data_ptr(), consumer_threads, tiles)
+    if tile_barriers:
+        _init_tile_barriers(tidx, storage.kv_mbar.data_ptr(), consumer_threads, tiles)
     raw_pipe = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.raw_mbar.data_ptr(), num_stages=raw_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -121,7 +125,7 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                batch: Int32, first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32,
                tiles: cutlass.Constexpr[int] = 1, raw_pe: cutlass.Constexpr[bool] = True,
                release_every: cutlass.Constexpr[int] = 1, raw_stages: cutlass.Constexpr[int] = RAW_STAGES,
-               bt_ahead: cutlass.Constexpr[bool] = False):
+               bt_ahead: cutlass.Constexpr[bool] = False, half_ring: cutlass.Constexpr[bool] = False):
     """The loader warpgroup of the FP8 dense kernels (mla_decode_fp8_kernel.py, the narrow one): warp 0
     loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes (and, `raw_pe`, their
     k_pe) by TMA into the ring of `raw_stages` stages; all four warps dequantize page t into bf16 c_kv tile
@@ -132,7 +136,10 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
     issued, before the wait for the tile and the conversion: the page in flight lands while page t is
     converted. With `bt_ahead` (the narrow kernel) warp 0 reads each refill's block-table entry a page before
     the refill: read at the refill, its latency holds warp 0, and with it the page's conversion, every page
-    (bench/NOTES.md 71: the 64-row kernel measured 0.97-0.99x with it, so it reads at the refill)."""
+    (bench/NOTES.md 71: the 64-row kernel measured 0.97-0.99x with it, so it reads at the refill).
+    With `half_ring` (one raw stage, k_pe not in it) the bf16 tiles are HALF_SLOTS slots of a column half each
+    [64, 256]: page t's half h goes to slot (2 t + h) % HALF_SLOTS once kv_empty + slot says its last reader is
+    done, and is handed over on kv_full + slot (fp8_dequant.store_half)."""
     gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
     gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
     tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
@@ -182,7 +189,13 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                 _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, next_page, raw_pe)
         next_page = later_page
         raw_p.advance()
-        if const_expr(regs):
+        if const_expr(half_ring):
+            for half in cutlass.range_constexpr(2):
+                use = 2 * t + half
+                slot = use % HALF_SLOTS
+                cute.arch.mbarrier_wait(kv_empty + slot, (use // HALF_SLOTS + 1) % 2)
+                store_half(tidx, page, half, kv_base + slot * HALF_SLOT_BYTES, kv_full + slot, valid)
+        elif const_expr(regs):
             cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
             store_tile(tidx, page, kv_base + tile * (TILE_N * D_V * 2), kv_full + tile * KV_BLOCKS, valid,
                        release_every)

@@ -213,6 +213,11 @@ STORE_16B = True
 # bytes are in its registers) against one tile and two raw stages. On the H200, b128 s_k 4k-32k and b16 s_k 32768:
 # 1.07-1.12x faster, and the FP8 GPU tests pass on it (bench/NOTES.md 65, 67)
 FP8_N32_TWO_TILES = True
+# The 64-row FP8 kernel (FP8 KV at more than 32 rows: h64, h128) with its bf16 tile as a ring of three column-half
+# slots and one raw stage (the loader holds the page's bytes in registers), against one whole tile and two raw stages:
+# page t + 1's first half is converted while page t is still read, and only its second half waits for a P V of page
+# t (mla_decode_fp8_kernel.py, "The half ring"). Off until measured on a GPU (bench/NOTES.md 118)
+FP8_HALF_RING = False
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
@@ -410,6 +415,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("rank-order",)
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
+    if kv_fp8 and not narrow and FP8_HALF_RING:
+        key += ("half-ring",)
     if fp8_mma:
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
@@ -447,7 +454,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16),
+            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16,
+                                                    half_ring=FP8_HALF_RING),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")

@@ -41,6 +41,17 @@ in between). Where rows are few (h16, s_q 1) the 64-row wgmma tiles
 do 4x the needed MMA work (~1.2 us of wgmma a page at peak, near the bf16 kernel's memory time), so FP8's
 1.6x there needs keys on wgmma's M side (S^T = K Q^T, N = rows), which this kernel does not do.
 
+The half ring (MLADecodeFP8Sm90(half_ring=True), mla_decode.FP8_HALF_RING; bench/NOTES.md 118): the tile's space
+plus 32 KB as three slots of a column half [64, 256] (98304 B), page t's half h in slot (2 t + h) % 3, with one raw
+stage (33792 B: the loader takes the page's bytes into 80 registers, frees the stage and issues page t + 1's TMA
+before converting: fp8_pages.fp8_loader's one-stage form) and k_pe in two buffers of its own (16384 B) that
+consumer 0's first warp fills by TMA two pages ahead, once both consumers' S of the page before is done (BAR_MAX).
+Q 73728 + 98304 + 33792 + 16384 + P 8192 + barriers and row maxima = 231424 B. Slot (t, h) is read by both
+consumers' S(t) and by consumer h's P V(t), which comes after both S(t) (it needs the other's P), so consumer h
+frees it (kv_empty + slot, 128 arrivals). Page t + 1's first half goes into the slot page t - 1's second half
+left, so it is converted while page t is still read; only its second half waits for consumer 0's P V(t), and
+consumers issue S(t + 1) over the first half meanwhile. Registers: loader 104, consumers 200 (ptxas: no spills).
+
 Barriers per page t (stage s = t % 2):
   raw full[s]  (TMA tx 41984 B)                    loader waits, consumers wait (k_pe)
   raw empty[s] 12 warp arrivals: 4 loader warps after dequantizing, 8 consumer warps after S
@@ -54,11 +65,12 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
-    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
+    D_PE, D_V, HALF_SLOTS, LOADER_THREADS, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup,
+    fp8_loader)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 from mlaserve.kernels.cutedsl.split_consumers import (
@@ -71,6 +83,11 @@ HALF_V = D_V // 2
 LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 65536
 THREADS = 3 * 128
+# the half ring (MLADecodeFP8Sm90(half_ring=True)): the loader holds a page's raw bytes in registers (80 of them)
+HALF_RING_LOADER_REGS = 104
+HALF_RING_CONSUMER_REGS = 200  # 128 * 104 + 256 * 200 = 64512
+PE_STAGES = 2         # the half ring's k_pe buffers, filled by the consumers' TMA two pages ahead
+PE_BYTES = TILE_N * D_PE * 2
 # the loader hands the bf16 tile over every RELEASE_EVERY of its 8 column blocks (fp8_dequant.dequant_tile)
 RELEASE_EVERY = 4
 
@@ -78,8 +95,11 @@ RELEASE_EVERY = 4
 class MLADecodeFP8Sm90:
     """Compiled per (causal, split, ordered); q, out bf16. Launched by mla_decode.py through `__call__`."""
 
-    def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False):
+    def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False,
+                 half_ring: bool = False):
         self.dtype = cutlass.BFloat16
+        # the bf16 c_kv tile as HALF_SLOTS slots of a column half (module docstring, "The half ring")
+        self.half_ring = half_ring
         self.causal = causal
         self.is_split = is_split
         self.store16 = store16    # whole 64-row blocks (O or split partials) stored 16 bytes at a time
@@ -101,7 +121,10 @@ class MLADecodeFP8Sm90:
         (mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout), \
             (tma_q, mQ_tma, tma_raw, mRaw_tma, tma_pe, mPE_tma) = fp8_host_setup(
                 TILE_M, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr, batch, s_q,
-                h, num_pages, max_pages, num_splits)
+                h, num_pages, max_pages, num_splits, 1 if self.half_ring else RAW_STAGES)
+        if const_expr(self.half_ring):
+            sKV_layout = cute.tile_to_shape(atom, (TILE_N, HALF_V, HALF_SLOTS), order=(0, 1, 2))
+            sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, PE_STAGES), order=(0, 1, 2))
         if const_expr(self.ordered):
             mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
         sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
@@ -136,8 +159,22 @@ class MLADecodeFP8Sm90:
         storage = smem.allocate(self.shared_storage)
         kv_full = storage.kv_mbar.data_ptr()       # KV_BLOCKS barriers, one per 64-column block of the tile
         kv_empty = kv_full + KV_BLOCKS
+        pe_full = kv_full
+        if const_expr(self.half_ring):
+            # a barrier pair per slot (the loader's 128 threads fill it; the consumer that reads it in P V frees
+            # it), one per k_pe buffer (its TMA)
+            kv_empty = kv_full + HALF_SLOTS
+            pe_full = kv_empty + HALF_SLOTS
+            if tidx == 0:
+                for slot in cutlass.range_constexpr(HALF_SLOTS):
+                    cute.arch.mbarrier_init(kv_full + slot, LOADER_THREADS)
+                    cute.arch.mbarrier_init(kv_empty + slot, CONSUMER_THREADS // 2)
+                for stage in cutlass.range_constexpr(PE_STAGES):
+                    cute.arch.mbarrier_init(pe_full + stage, 1)
         raw_pipe, q_pipe, sQ, sKV, sPE, sRaw = fp8_kernel_setup(
-            tidx, storage, CONSUMER_THREADS, TILE_M, sQ_layout, sKV_layout, sPE_layout, sRaw_layout)
+            tidx, storage, CONSUMER_THREADS, TILE_M, sQ_layout, sKV_layout, sPE_layout, sRaw_layout,
+            raw_pe=not self.half_ring, raw_stages=1 if self.half_ring else RAW_STAGES,
+            tile_barriers=not self.half_ring)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sStat = storage.row_stat.get_tensor(cute.make_layout((TILE_M, 2)))
 
@@ -147,18 +184,30 @@ class MLADecodeFP8Sm90:
 
         if wg == 0:
             # ---------------- loader: TMA (warp 0) and dequantization (all four warps) ----------------
-            cute.arch.setmaxregister_decrease(LOADER_REGS)
+            cute.arch.setmaxregister_decrease(HALF_RING_LOADER_REGS if self.half_ring else LOADER_REGS)
             fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, m_block, TILE_M, tma_raw, mRaw_tma, sRaw,
                        tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
                        storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start,
-                       release_every=RELEASE_EVERY)
+                       raw_pe=not self.half_ring, release_every=RELEASE_EVERY,
+                       raw_stages=1 if self.half_ring else RAW_STAGES, half_ring=self.half_ring)
         else:
             # ---------------- consumers (the bf16 kernel's math; K/V from the bf16 tile and the raw stage) --------
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(HALF_RING_CONSUMER_REGS if self.half_ring else CONSUMER_REGS)
             cw = wg - 1                  # which half: keys 32cw.. of S, columns 256cw.. of O
             ctid = tidx % 128
             (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP) = _consumer_operands(
-                tiled_mma_qk, tiled_mma_pv, ctid, cw, sQ, sKV, sPE, sP)
+                tiled_mma_qk, tiled_mma_pv, ctid, cw, sQ, sKV, sPE, sP, self.half_ring)
+            if const_expr(self.half_ring):
+                # consumer 0's first warp loads the k_pe buffers by TMA, two pages ahead
+                warp = cute.arch.make_warp_uniform(ctid // 32)
+                lane = ctid % 32
+                gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
+                tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                                 cute.group_modes(gPE, 0, 2))
+                if cw == 0 and warp == 0:
+                    for stage in cutlass.range_constexpr(PE_STAGES):
+                        if stage < n_tiles:
+                            _load_pe(tma_pe, tPg, tPs, pe_full + stage, stage, mBT[batch, first_page + stage], lane)
 
             # a wgmma m64 accumulator gives each thread rows r0 and r0 + 8 (value index bit 1 picks the row)
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4
@@ -178,14 +227,21 @@ class MLADecodeFP8Sm90:
             raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
             for t in cutlass.range(n_tiles, unroll=1):
                 tok0 = start + t * TILE_N
-                stage = raw_c.index
-                raw_pipe.consumer_wait(raw_c)
-                # -- S_w = Q_pe Kpe_w^T + Q_nope K_w^T, each 64-column block of K as soon as it is converted --
-                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full, t % 2,
-                         RELEASE_EVERY)
-                cute.arch.sync_warp()
-                raw_pipe.consumer_release(raw_c)
-                raw_c.advance()
+                if const_expr(self.half_ring):
+                    # the k_pe refill's block-table entry, read before S hides its latency
+                    later_page = Int32(0)
+                    if cw == 0 and warp == 0 and t + PE_STAGES < n_tiles:
+                        later_page = mBT[batch, first_page + t + PE_STAGES]
+                    _qk_half_ring(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe, kv_full, pe_full, t)
+                else:
+                    stage = raw_c.index
+                    raw_pipe.consumer_wait(raw_c)
+                    # -- S_w = Q_pe Kpe_w^T + Q_nope K_w^T, each 64-column block of K as soon as it is converted --
+                    _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full,
+                             t % 2, RELEASE_EVERY)
+                    cute.arch.sync_warp()
+                    raw_pipe.consumer_release(raw_c)
+                    raw_c.advance()
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     acc_s[i] = acc_s[i] * scale_log2
                 if tok0 + TILE_N > min_vis:
@@ -193,11 +249,22 @@ class MLADecodeFP8Sm90:
                         if tok0 + cw * HALF_N + tScS[i][1] >= vis[(i // 2) % 2]:
                             acc_s[i] = -Float32.inf
                 rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
+                if const_expr(self.half_ring):
+                    # both consumers' S of page t is done (BAR_MAX): its k_pe buffer takes page t + PE_STAGES's
+                    if cw == 0 and warp == 0 and t + PE_STAGES < n_tiles:
+                        _load_pe(tma_pe, tPg, tPs, pe_full + t % PE_STAGES, t % PE_STAGES, later_page, lane)
                 publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
                 scale_rows(acc_o, alpha)
-                _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
-                cute.arch.mbarrier_arrive(kv_empty)
+                if const_expr(self.half_ring):
+                    # V_w is page t's column half cw; its slot is free once this P V is done (the other
+                    # consumer's S of page t, the slot's other reader, came before P was complete)
+                    slot = (2 * t + cw) % HALF_SLOTS
+                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, slot])
+                    cute.arch.mbarrier_arrive(kv_empty + slot)
+                else:
+                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
+                    cute.arch.mbarrier_arrive(kv_empty)
 
             # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
@@ -230,19 +297,28 @@ class MLADecodeFP8Sm90:
 
 
 def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, ctid, cw, sQ: cute.Tensor,
-                       sKV: cute.Tensor, sPE: cute.Tensor, sP: cute.Tensor):
+                       sKV: cute.Tensor, sPE: cute.Tensor, sP: cute.Tensor, half_ring: bool = False):
     """Consumer cw's wgmma operands over the FP8 kernels' smem (Q [64, 576]; the bf16 c_kv tile [64, 512];
     the raw ring's k_pe [64, 64, stages]; P [64, 64]) and its accumulators (O zeroed), traced inline:
-    (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP)."""
+    (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP). With `half_ring` the tile is
+    HALF_SLOTS slots [64, 256] and k_pe PE_STAGES buffers: K's and V's fragments take a last mode, the slot (K
+    16 k-steps of one column half, V^T this consumer's half)."""
     thr_qk = tiled_mma_qk.get_slice(ctid)
     thr_pv = tiled_mma_pv.get_slice(ctid)
     sQ_nope = cute.local_tile(sQ, (TILE_M, D_V), (0, 0))
     sQ_pe = cute.local_tile(sQ, (TILE_M, D_PE), (0, D_V // D_PE))
-    sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
-    sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
-    # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
-    sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
-    sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
+    if half_ring:
+        sK_w = cute.local_tile(sKV, (HALF_N, HALF_V, HALF_SLOTS), (cw, 0, 0))
+        sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, PE_STAGES), (cw, 0, 0))
+        # V^T [256, 64 keys] of a slot as MN-major B: (column, key, slot) -> the slot's (key, column)
+        sVt_w = cute.composition(sKV, cute.make_layout((HALF_V, TILE_N, HALF_SLOTS),
+                                                       stride=(TILE_N, 1, TILE_N * HALF_V)))
+    else:
+        sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
+        sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
+        # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
+        sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+        sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
     sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
     acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
     acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
@@ -257,6 +333,40 @@ def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N))),
             thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V))),
             cute.make_fragment_like(acc_s, sQ.element_type))
+
+
+@cute.jit
+def _qk_half_ring(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                  tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, kv_full: cute.Pointer, pe_full: cute.Pointer, t: Int32):
+    """The half ring's S_w of page t as one wgmma group, waited for: k_pe's k-steps (its buffer t % PE_STAGES,
+    loaded two pages ahead), then each column half's from its slot (2 t + half) % HALF_SLOTS once the loader
+    has handed it over."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    pe = t % PE_STAGES
+    cute.arch.mbarrier_wait(pe_full + pe, (t // PE_STAGES) % 2)
+    for k in cutlass.range_constexpr(cute.size(tSrQpe.shape[2])):
+        cute.gemm(atom, acc, tSrQpe[None, None, k], tSrKpe[None, None, k, pe], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    steps = cute.size(tSrK.shape[2])
+    for half in cutlass.range_constexpr(2):
+        use = 2 * t + half
+        slot = use % HALF_SLOTS
+        cute.arch.mbarrier_wait(kv_full + slot, (use // HALF_SLOTS) % 2)
+        for k in cutlass.range_constexpr(steps):
+            cute.gemm(atom, acc, tSrQ[None, None, half * steps + k], tSrK[None, None, k, slot], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def _load_pe(tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, bar: cute.Pointer, stage, page: Int32,
+             lane: Int32):
+    """A page's k_pe [64, 64] bf16 by TMA into k_pe buffer `stage`, on `bar` (called by one whole warp)."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, PE_BYTES)
+    cute.copy(tma_pe, tPg[None, page], tPs[None, stage], tma_bar_ptr=bar)
 
 
 def fp8_split_storage(sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
