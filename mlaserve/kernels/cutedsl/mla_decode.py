@@ -216,8 +216,10 @@ FP8_N32_TWO_TILES = True
 # The 64-row FP8 kernel (FP8 KV at more than 32 rows: h64, h128) with its bf16 tile as a ring of three column-half
 # slots and one raw stage (the loader holds the page's bytes in registers), against one whole tile and two raw stages:
 # page t + 1's first half is converted while page t is still read, and only its second half waits for a P V of page
-# t (mla_decode_fp8_kernel.py, "The half ring"). Off until measured on a GPU (bench/NOTES.md 118)
-FP8_HALF_RING = False
+# t (mla_decode_fp8_kernel.py, "The half ring"). The same bits. On an H100 (bench/NOTES.md 118; decode_ab, b128 unless
+# named, --sustain-ms 20): h128 4k / 8k 1.052 / 1.048x, h128 s_q2 4k 1.059x, h64 4k / 32k 1.053 / 1.036x, h64 s_q2 4k
+# 1.051x, h128 4k variable lengths 1.054x, b16 / b4 h128 32k (split) 1.050 / 1.033x (False: for A/B runs)
+FP8_HALF_RING = True
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile

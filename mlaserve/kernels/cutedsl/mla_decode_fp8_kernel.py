@@ -41,7 +41,8 @@ in between). Where rows are few (h16, s_q 1) the 64-row wgmma tiles
 do 4x the needed MMA work (~1.2 us of wgmma a page at peak, near the bf16 kernel's memory time), so FP8's
 1.6x there needs keys on wgmma's M side (S^T = K Q^T, N = rows), which this kernel does not do.
 
-The half ring (MLADecodeFP8Sm90(half_ring=True), mla_decode.FP8_HALF_RING; bench/NOTES.md 118): the tile's space
+The half ring (MLADecodeFP8Sm90(half_ring=True), what mla_decode launches while FP8_HALF_RING is on, the default:
+1.03-1.06x the whole tile above on an H100, bench/NOTES.md 118): the tile's space
 plus 32 KB as three slots of a column half [64, 256] (98304 B), page t's half h in slot (2 t + h) % 3, with one raw
 stage (33792 B: the loader takes the page's bytes into 80 registers, frees the stage and issues page t + 1's TMA
 before converting: fp8_pages.fp8_loader's one-stage form) and k_pe in two buffers of its own (16384 B) that
