@@ -69,6 +69,7 @@ switches, read at launch (so captured with each graph):
                     KV_PREFETCH and KV_PARTS_PREFETCH), against no prefetch on either
   FP8_HALF_RING     cutedsl: FP8 KV at more than 32 rows (the 64-row FP8 kernel), the bf16 tile as three column-half
                     slots with one raw stage, against one whole tile with two raw stages
+  SPARSE_FP8_HALF_RING  cutedsl sparse MLA, the FP8 cache (sparse shapes): the same ring in its kernel
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -270,6 +271,7 @@ SWITCHES = {
     "KV_SPLIT": ("cutedsl", _kv_split),
     "KV_PREFETCH": ("cutedsl", _kv_prefetch),
     "FP8_HALF_RING": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_HALF_RING")),
+    "SPARSE_FP8_HALF_RING": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "FP8_HALF_RING")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

@@ -57,6 +57,23 @@ def test_16_byte_stores_equal_value_stores(monkeypatch, h, dtype, num_splits):
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 
+@pytest.mark.parametrize("case", [c for c in check.fp8_cases(quick=False)
+                                  if c["b"] != 64 or (c["s_q"], c["h"], c["topk"]) == (2, 128, 2048)],
+                         ids=check.case_name)
+def test_fp8_half_ring_gives_the_same_bits(monkeypatch, case):
+    """sparse_mla.FP8_HALF_RING (the FP8 kernel's bf16 tile as three column-half slots, one raw buffer read into the
+    loader's registers before the next tile is gathered into it): within the reference's tolerances (NaN/0xFF in
+    every slot no index names, -1s, repeats, ragged top-k, splits) and the same bits as the whole-tile ring."""
+    seed = case["b"] * 7 + case["h"]
+    monkeypatch.setattr(sp, "FP8_HALF_RING", False)
+    out0, lse0, _, _ = check.run_case(case, seed=seed)
+    monkeypatch.setattr(sp, "FP8_HALF_RING", True)
+    out, lse, ref_out, ref_lse = check.run_case(case, seed=seed)
+    ok, max_err, why = check.compare(out, lse, ref_out, ref_lse)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_HALF_RING changed the bits"
+
+
 # sparse_mla's softmax switches (lazy rescale, tree max): the seesaw kernel's (16-bit caches)
 SOFTMAX_SWITCHES = ("LAZY_RESCALE", "TREE_MAX")
 

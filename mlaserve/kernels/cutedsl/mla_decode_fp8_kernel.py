@@ -233,7 +233,8 @@ class MLADecodeFP8Sm90:
                     later_page = Int32(0)
                     if cw == 0 and warp == 0 and t + PE_STAGES < n_tiles:
                         later_page = mBT[batch, first_page + t + PE_STAGES]
-                    _qk_half_ring(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe, kv_full, pe_full, t)
+                    _qk_half_ring(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe, t % PE_STAGES, kv_full, t,
+                                  pe_full, (t // PE_STAGES) % 2)
                 else:
                     stage = raw_c.index
                     raw_pipe.consumer_wait(raw_c)
@@ -338,15 +339,16 @@ def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
 
 @cute.jit
 def _qk_half_ring(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                  tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, kv_full: cute.Pointer, pe_full: cute.Pointer, t: Int32):
-    """The half ring's S_w of page t as one wgmma group, waited for: k_pe's k-steps (its buffer t % PE_STAGES,
-    loaded two pages ahead), then each column half's from its slot (2 t + half) % HALF_SLOTS once the loader
-    has handed it over."""
+                  tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, pe: Int32, kv_full: cute.Pointer, t: Int32,
+                  pe_full: cute.Pointer = None, pe_phase: Int32 = None):
+    """The half ring's S_w of tile t as one wgmma group, waited for: k_pe's k-steps from its buffer `pe` (with
+    `pe_full`, once barrier pe_full + pe completes phase `pe_phase`), then each column half's from its slot
+    (2 t + half) % HALF_SLOTS once the loader has handed it over (also sparse_mla_fp8_kernel.py's)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)
-    pe = t % PE_STAGES
-    cute.arch.mbarrier_wait(pe_full + pe, (t // PE_STAGES) % 2)
+    if const_expr(pe_full is not None):
+        cute.arch.mbarrier_wait(pe_full + pe, pe_phase)
     for k in cutlass.range_constexpr(cute.size(tSrQpe.shape[2])):
         cute.gemm(atom, acc, tSrQpe[None, None, k], tSrKpe[None, None, k, pe], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)

@@ -44,6 +44,10 @@ STORE_16B = True
 # together were 0.6-1.8% faster (lazy alone 0.3-1.2%, tree alone -0.5 to +0.6%) at b128 h128, b64 h128 s_q2, b128 h64
 LAZY_RESCALE = True
 TREE_MAX = True
+# the FP8 cache's kernel with its bf16 tile as three column-half slots and one raw buffer held in the loader's
+# registers (sparse_mla_fp8_kernel.py, "The half ring"; the dense decode's mla_decode.FP8_HALF_RING, 1.03-1.06x
+# there), against one whole tile and two raw stages. Off until measured on a GPU (bench/NOTES.md 119)
+FP8_HALF_RING = False
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -122,6 +126,8 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
     key = (dtype, split, fp8) if seesaw or fp8 else (dtype, split, fp8, "first-slice")
     if store16:
         key += ("store16",)
+    if fp8 and FP8_HALF_RING:
+        key += ("half-ring",)
     softmax = softmax if seesaw and not fp8 else (False, False)
     if any(softmax):
         key += ("softmax",) + softmax
@@ -134,7 +140,7 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         if fp8:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_fp8_kernel").SparseMLAFP8Sm90(
-                is_split=split, store16=store16)
+                is_split=split, store16=store16, half_ring=FP8_HALF_RING)
         elif seesaw:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
                 cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])

@@ -34,6 +34,14 @@ One bf16 tile: dequantizing tile t + 1 waits for the consumers' P V of tile t; t
 its conversion block by block. Measured on the H200 at b128 s_q2 h128 topk 2048: 244 TFLOP/s converting
 whole tiles, 277 with the blocks and the loads issued a block ahead.
 
+The half ring (SparseMLAFP8Sm90(half_ring=True), sparse_mla.FP8_HALF_RING; the dense kernel's, mla_decode_fp8_kernel.py,
+bench/NOTES.md 118-119): the bf16 tile as three slots of a column half, tile t's half h in slot (2 t + h) % 3, each
+freed by the consumer whose P V reads it (kv_empty + slot, 128 arrivals) and handed over on kv_full + slot. The e4m3
+bytes and scales have one buffer: each loader thread reads its share into 80 registers (fp8_dequant.load_raw_page),
+the four warps meet on BAR_LOADER, and tile t + 1 is gathered into the buffer while tile t is converted. The
+pipeline's two stages are then k_pe's two buffers (the consumers still free a stage after S). Smem: Q 73728 + slots
+98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers: loader 112, consumers 200.
+
 Barriers per tile t (stage s = t % 2):
   raw full[s]  128 loader arrivals (cp.async noinc)   loader waits (dequantize), consumers wait (k_pe)
   raw empty[s] 12 warp arrivals: 4 loader warps after dequantizing, 8 consumer warps after S
@@ -50,9 +58,10 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
 
-from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile
-from mlaserve.kernels.cutedsl.fp8_pages import _pv_gemm, _qk_gemm
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, fp8_split_storage
+from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page, store_half
+from mlaserve.kernels.cutedsl.fp8_pages import HALF_SLOT_BYTES, HALF_SLOTS, _pv_gemm, _qk_gemm
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
+    HALF_RING_CONSUMER_REGS, _consumer_operands, _qk_half_ring, fp8_split_storage)
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     D_QK, D_V, HALF_N, PRODUCER_THREADS, ROW_PASSES, ROWS_PER_PASS, THREADS, TILE_M, TILE_N, consumer_rows, cp16,
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
@@ -69,15 +78,21 @@ RAW_STAGES = 2
 LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
 LOADER_THREADS = PRODUCER_THREADS   # 128, gathering 8 threads per row as sparse_mla_kernel.row_slots assumes
+HALF_V = D_V // 2
+# the half ring: the loader holds a tile's raw bytes in 80 registers beside the gather's (104 spilled 16 bytes)
+HALF_RING_LOADER_REGS = 112     # 128 * 112 + 256 * 200 = 65536
+BAR_LOADER = 3        # the half ring: the loader's 4 warps, each thread's share of the raw stage in registers
 
 
 class SparseMLAFP8Sm90:
     """Compiled per split; q, out bf16. Launched by sparse_mla.py through `__call__`."""
 
-    def __init__(self, is_split: bool, store16: bool = False):
+    def __init__(self, is_split: bool, store16: bool = False, half_ring: bool = False):
         self.dtype = cutlass.BFloat16
         self.is_split = is_split
         self.store16 = store16    # blocks of 64 heads (out or split partials) stored 16 bytes at a time
+        # the bf16 tile as HALF_SLOTS column-half slots, one raw buffer (module docstring, "The half ring")
+        self.half_ring = half_ring
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -93,7 +108,11 @@ class SparseMLAFP8Sm90:
                               num_splits)
         sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_V), order=(0, 1))
         sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE, RAW_STAGES), order=(0, 1, 2))
-        sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, RAW_STAGES),
+        raw_buffers = RAW_STAGES
+        if const_expr(self.half_ring):
+            sKV_layout = cute.tile_to_shape(atom, (TILE_N, HALF_V, HALF_SLOTS), order=(0, 1, 2))
+            raw_buffers = 1
+        sRaw_layout = cute.make_layout((TILE_N, RAW_WORDS, raw_buffers),
                                        stride=(RAW_WORDS, 1, TILE_N * RAW_WORDS))
         tiled_mma_qk, tiled_mma_pv = split_tiled_mmas(self.dtype)
 
@@ -113,10 +132,17 @@ class SparseMLAFP8Sm90:
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         kv_full = storage.kv_mbar.data_ptr()       # KV_BLOCKS barriers, one per 64-column block of the tile
         kv_empty = kv_full + KV_BLOCKS
-        if tidx == 0:
-            for cb in cutlass.range_constexpr(KV_BLOCKS):
-                cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
-            cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
+        if const_expr(self.half_ring):
+            kv_empty = kv_full + HALF_SLOTS         # a pair per slot (mla_decode_fp8_kernel.py's half ring)
+            if tidx == 0:
+                for slot in cutlass.range_constexpr(HALF_SLOTS):
+                    cute.arch.mbarrier_init(kv_full + slot, LOADER_THREADS)
+                    cute.arch.mbarrier_init(kv_empty + slot, CONSUMER_THREADS // 2)
+        else:
+            if tidx == 0:
+                for cb in cutlass.range_constexpr(KV_BLOCKS):
+                    cute.arch.mbarrier_init(kv_full + cb, LOADER_THREADS)
+                cute.arch.mbarrier_init(kv_empty, CONSUMER_THREADS)
         # (the pipelines' creation fences the mbarrier inits and syncs the CTA)
         # raw full: 128 loader threads, one cp.async noinc arrival each; raw empty: one lane of each of the
         # 4 loader warps (dequantized) and the 8 consumer warps (k_pe used in S)
@@ -134,39 +160,44 @@ class SparseMLAFP8Sm90:
 
         if wg == 0:
             # ---------------- loader: Q (TMA, warp 0), gather (cp.async) and dequantization (all four warps) ----
-            cute.arch.setmaxregister_decrease(LOADER_REGS)
+            cute.arch.setmaxregister_decrease(HALF_RING_LOADER_REGS if self.half_ring else LOADER_REGS)
             load_q(warp_idx, tma_q, mQ_tma, sQ, q_pipe, token, m_block)
             raw_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, RAW_STAGES)
-            for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
-                self._gather(tidx, token, start + t * TILE_N, end, mKV, mIdx, storage.sRaw.data_ptr(),
-                             storage.sPE.data_ptr(), raw_pipe, raw_p)
-                raw_p.advance()
+            if const_expr(self.half_ring):
+                self._half_ring_loader(tidx, token, start, end, n_tiles, mKV, mIdx, storage.sRaw.data_ptr(),
+                                       storage.sPE.data_ptr(), storage.sKV.data_ptr().toint(), raw_pipe, raw_p,
+                                       kv_full, kv_empty)
+            else:
+                for t in cutlass.range(cutlass.min(n_tiles, RAW_STAGES), unroll=1):
+                    self._gather(tidx, token, start + t * TILE_N, end, mKV, mIdx, storage.sRaw.data_ptr(),
+                                 storage.sPE.data_ptr(), raw_pipe, raw_p)
+                    raw_p.advance()
 
-            raw_base = storage.sRaw.data_ptr().toint()
-            kv_base = storage.sKV.data_ptr().toint()
-            raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
-            for t in cutlass.range(n_tiles, unroll=1):
-                raw_pipe.consumer_wait(raw_c)
-                cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
-                # every row converts: a zero-filled one (index -1 or past the end) has bytes and scale 0 -> 0
-                dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full,
-                              Int32(TILE_N))
-                cute.arch.sync_warp()
-                if cute.arch.lane_idx() == 0:
-                    raw_pipe.consumer_release(raw_c)
-                raw_c.advance()
-                if t + RAW_STAGES < n_tiles:
-                    self._gather(tidx, token, start + (t + RAW_STAGES) * TILE_N, end, mKV, mIdx,
-                                 storage.sRaw.data_ptr(), storage.sPE.data_ptr(), raw_pipe, raw_p)
-                raw_p.advance()
+                raw_base = storage.sRaw.data_ptr().toint()
+                kv_base = storage.sKV.data_ptr().toint()
+                raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+                for t in cutlass.range(n_tiles, unroll=1):
+                    raw_pipe.consumer_wait(raw_c)
+                    cute.arch.mbarrier_wait(kv_empty, (t + 1) % 2)
+                    # every row converts: a zero-filled one (index -1 or past the end) has bytes and scale 0 -> 0
+                    dequant_tile(tidx, raw_base + raw_c.index * (TILE_N * RAW_WORDS * 4), kv_base, kv_full,
+                                  Int32(TILE_N))
+                    cute.arch.sync_warp()
+                    if cute.arch.lane_idx() == 0:
+                        raw_pipe.consumer_release(raw_c)
+                    raw_c.advance()
+                    if t + RAW_STAGES < n_tiles:
+                        self._gather(tidx, token, start + (t + RAW_STAGES) * TILE_N, end, mKV, mIdx,
+                                     storage.sRaw.data_ptr(), storage.sPE.data_ptr(), raw_pipe, raw_p)
+                    raw_p.advance()
             drain_copies()
         else:
             # ---------------- consumers ----------------
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(HALF_RING_CONSUMER_REGS if self.half_ring else CONSUMER_REGS)
             cw = wg - 1                  # which half: keys 32cw.. of S, columns 256cw.. of O
             ctid = tidx % 128
             (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP) = _consumer_operands(
-                tiled_mma_qk, tiled_mma_pv, ctid, cw, sQ, sKV, sPE, sP)
+                tiled_mma_qk, tiled_mma_pv, ctid, cw, sQ, sKV, sPE, sP, self.half_ring)
             n_vals = cute.size(acc_s)
             bias = cute.make_rmem_tensor(n_vals // 2, Float32)   # 0 or -inf per distinct key (key_of) of this thread
             r0, row_m, row_l = consumer_rows(ctid)
@@ -181,7 +212,11 @@ class SparseMLAFP8Sm90:
                 sparse_key_bias(bias, tScS, start + t * TILE_N + cw * HALF_N, end, mIdx, token)
                 wait_gathered(raw_pipe, raw_c)      # k_pe, read by wgmma straight from the raw stage
                 # -- S_w = Q_pe Kpe_w^T + Q_nope K_w^T, each 64-column block of K as soon as it is converted --
-                _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full, t % 2)
+                if const_expr(self.half_ring):
+                    _qk_half_ring(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe, stage, kv_full, t)
+                else:
+                    _qk_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK, tSrQpe, tSrKpe[None, None, None, stage], kv_full,
+                             t % 2)
                 # the wgmma wait is warp-wide: one lane per warp frees the raw stage
                 if cute.arch.lane_idx() == 0:
                     raw_pipe.consumer_release(raw_c)
@@ -192,8 +227,13 @@ class SparseMLAFP8Sm90:
                 publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
                 scale_rows(acc_o, alpha)
-                _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
-                cute.arch.mbarrier_arrive(kv_empty)
+                if const_expr(self.half_ring):
+                    slot = (2 * t + cw) % HALF_SLOTS     # V_w: tile t's column half cw, free after this P V
+                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, slot])
+                    cute.arch.mbarrier_arrive(kv_empty + slot)
+                else:
+                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
+                    cute.arch.mbarrier_arrive(kv_empty)
 
             # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
@@ -203,20 +243,56 @@ class SparseMLAFP8Sm90:
                          mPO, mPL, self.is_split, self.store16)
 
     @cute.jit
+    def _half_ring_loader(self, tidx: Int32, token: Int32, start: Int32, end: Int32, n_tiles: Int32,
+                          mKV: cute.Tensor, mIdx: cute.Tensor, raw_ptr: cute.Pointer, pe_ptr: cute.Pointer,
+                          kv_base: Int32, raw_pipe: pipeline.PipelineCpAsync, raw_p: pipeline.PipelineState,
+                          kv_full: cute.Pointer, kv_empty: cute.Pointer):
+        """The loader's gather and conversion on the half ring. The pipeline's two stages are k_pe's two buffers;
+        the e4m3 bytes and scales have one buffer, which each thread reads into registers (fp8_dequant.
+        load_raw_page) before tile t + 1 is gathered into it (after BAR_LOADER: every thread's share read), so
+        that tile t + 1 lands while tile t is converted into its two slots (fp8_dequant.store_half)."""
+        raw_base = raw_ptr.toint()
+        if n_tiles > 0:
+            self._gather(tidx, token, start, end, mKV, mIdx, raw_ptr, pe_ptr, raw_pipe, raw_p, False)
+        raw_p.advance()
+        raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
+        for t in cutlass.range(n_tiles, unroll=1):
+            raw_pipe.consumer_wait(raw_c)
+            page = load_raw_page(tidx, raw_base)
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                raw_pipe.consumer_release(raw_c)
+            raw_c.advance()
+            cute.arch.barrier(barrier_id=BAR_LOADER, number_of_threads=LOADER_THREADS)
+            if t + 1 < n_tiles:
+                self._gather(tidx, token, start + (t + 1) * TILE_N, end, mKV, mIdx, raw_ptr, pe_ptr, raw_pipe,
+                             raw_p, False)
+            raw_p.advance()
+            # every row converts: a zero-filled one (index -1 or past the end) has bytes and scale 0 -> 0
+            for half in cutlass.range_constexpr(2):
+                use = 2 * t + half
+                slot = use % HALF_SLOTS
+                cute.arch.mbarrier_wait(kv_empty + slot, (use // HALF_SLOTS + 1) % 2)
+                store_half(tidx, page, half, kv_base + slot * HALF_SLOT_BYTES, kv_full + slot, Int32(TILE_N))
+
+    @cute.jit
     def _gather(self, tidx: Int32, token: Int32, pos0: Int32, end: Int32, mKV: cute.Tensor, mIdx: cute.Tensor,
                 raw_ptr: cute.Pointer, pe_ptr: cute.Pointer, raw_pipe: pipeline.PipelineCpAsync,
-                state: pipeline.PipelineState):
+                state: pipeline.PipelineState, raw_staged: cutlass.Constexpr[bool] = True):
         """One tile's 64 rows (indices pos0 .. pos0 + 64 of the token) into raw stage state.index by cp.async.
 
         Raw chunk c (16 bytes) of row r lands at word r * 132 + 4 c of the stage; k_pe chunk k at the
         swizzled K-major position r * 64 + ((k ^ (r % 8)) * 8) (bf16 elements) of the stage's [64, 64] tile --
-        the layout TMA writes for sPE_layout (one 64-column atom block of 8-row, 1024-byte atoms).
+        the layout TMA writes for sPE_layout (one 64-column atom block of 8-row, 1024-byte atoms). Without
+        `raw_staged` (the half ring) the raw part goes to the one raw buffer whatever the stage.
         """
         prow = tidx // 8
         pc = tidx % 8
         slots = row_slots(mIdx, token, pos0 + prow, end)
         raw_pipe.producer_acquire(state)
-        raw_stage = raw_ptr + state.index * (TILE_N * RAW_WORDS)
+        raw_stage = raw_ptr
+        if const_expr(raw_staged):
+            raw_stage = raw_ptr + state.index * (TILE_N * RAW_WORDS)
         pe_stage = pe_ptr + state.index * (TILE_N * D_PE)
         kv_base = mKV.iterator
         swz = (pc ^ (prow % 8)) * 8
