@@ -86,7 +86,7 @@ def store_tile(tidx: Int32, page, kv_base: Int32, kv_full: cute.Pointer, valid: 
 def store_half(tidx: Int32, page, half: int, slot_base: Int32, full: cute.Pointer, valid: Int32):
     """Column half `half` (blocks 4 half .. 4 half + 3) of load_raw_page's registers (`page`) into a half-tile
     slot [64, 256] (4 blocks of 8 KB from shared address `slot_base`, the tile's block layout), then the proxy
-    fence and the hand-over on `full` (the 64-row FP8 kernel's half ring: mla_decode_fp8_kernel.py)."""
+    fence and the hand-over on `full` (the FP8 kernels' half ring: fp8_pages.store_halves)."""
     prow, pc = _thread_rows(tidx)
     keep = _keep(prow, valid)
     raw, scale = page

@@ -190,15 +190,23 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
         next_page = later_page
         raw_p.advance()
         if const_expr(half_ring):
-            for half in cutlass.range_constexpr(2):
-                use = 2 * t + half
-                slot = use % HALF_SLOTS
-                cute.arch.mbarrier_wait(kv_empty + slot, (use // HALF_SLOTS + 1) % 2)
-                store_half(tidx, page, half, kv_base + slot * HALF_SLOT_BYTES, kv_full + slot, valid)
+            store_halves(tidx, page, t, kv_base, kv_full, kv_empty, valid)
         elif const_expr(regs):
             cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
             store_tile(tidx, page, kv_base + tile * (TILE_N * D_V * 2), kv_full + tile * KV_BLOCKS, valid,
                        release_every)
+
+
+def store_halves(tidx: Int32, page, t: Int32, kv_base: Int32, kv_full: cute.Pointer, kv_empty: cute.Pointer,
+                 valid: Int32):
+    """The half ring's conversion of tile t from load_raw_page's registers: column half h into slot
+    (2 t + h) % HALF_SLOTS (from shared address kv_base) once kv_empty + slot says its last reader is done, handed
+    over on kv_full + slot (the FP8 kernels' half ring: mla_decode_fp8_kernel.py, sparse_mla_fp8_kernel.py)."""
+    for half in range(2):
+        use = 2 * t + half
+        slot = use % HALF_SLOTS
+        cute.arch.mbarrier_wait(kv_empty + slot, (use // HALF_SLOTS + 1) % 2)
+        store_half(tidx, page, half, kv_base + slot * HALF_SLOT_BYTES, kv_full + slot, valid)
 
 
 @cute.jit

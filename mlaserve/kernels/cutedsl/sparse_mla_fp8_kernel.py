@@ -58,8 +58,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
 
-from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page, store_half
-from mlaserve.kernels.cutedsl.fp8_pages import HALF_SLOT_BYTES, HALF_SLOTS, _pv_gemm, _qk_gemm
+from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page
+from mlaserve.kernels.cutedsl.fp8_pages import HALF_SLOTS, _pv_gemm, _qk_gemm, store_halves
 from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
     HALF_RING_CONSUMER_REGS, _consumer_operands, _qk_half_ring, fp8_split_storage)
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
@@ -250,7 +250,7 @@ class SparseMLAFP8Sm90:
         """The loader's gather and conversion on the half ring. The pipeline's two stages are k_pe's two buffers;
         the e4m3 bytes and scales have one buffer, which each thread reads into registers (fp8_dequant.
         load_raw_page) before tile t + 1 is gathered into it (after BAR_LOADER: every thread's share read), so
-        that tile t + 1 lands while tile t is converted into its two slots (fp8_dequant.store_half)."""
+        that tile t + 1 lands while tile t is converted into its two slots (fp8_pages.store_halves)."""
         raw_base = raw_ptr.toint()
         if n_tiles > 0:
             self._gather(tidx, token, start, end, mKV, mIdx, raw_ptr, pe_ptr, raw_pipe, raw_p, False)
@@ -269,11 +269,7 @@ class SparseMLAFP8Sm90:
                              raw_p, False)
             raw_p.advance()
             # every row converts: a zero-filled one (index -1 or past the end) has bytes and scale 0 -> 0
-            for half in cutlass.range_constexpr(2):
-                use = 2 * t + half
-                slot = use % HALF_SLOTS
-                cute.arch.mbarrier_wait(kv_empty + slot, (use // HALF_SLOTS + 1) % 2)
-                store_half(tidx, page, half, kv_base + slot * HALF_SLOT_BYTES, kv_full + slot, Int32(TILE_N))
+            store_halves(tidx, page, t, kv_base, kv_full, kv_empty, Int32(TILE_N))
 
     @cute.jit
     def _gather(self, tidx: Int32, token: Int32, pos0: Int32, end: Int32, mKV: cute.Tensor, mIdx: cute.Tensor,
