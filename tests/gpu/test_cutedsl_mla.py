@@ -33,6 +33,11 @@ def assert_reference(out, lse, q, kv, table, seqlens, what: str = ""):
     assert ok, f"{what}max abs err {max_err:.2e}: {why}"
 
 
+def _ragged_lens(b: int) -> list[int]:
+    """b request lengths: an empty one, one of one token, two at a page's edges, then varied up to 1500."""
+    return [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+
+
 def _ragged_case(monkeypatch, b: int, s_q: int, h: int, min_tiles, seed: int):
     """bf16 inputs of b ragged requests (an empty one, one of one token, page edges; NaN-poisoned unused slots), and
     the launch's schedule: min_tiles sets STREAM_K_MIN_TILES, -1 turns STREAM_K off, None leaves the module's."""
@@ -40,8 +45,7 @@ def _ragged_case(monkeypatch, b: int, s_q: int, h: int, min_tiles, seed: int):
         monkeypatch.setattr(cd, "STREAM_K", False)
     elif min_tiles is not None:
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
-    return check.make_case(lens, s_q, h, torch.bfloat16, seed=seed)
+    return check.make_case(_ragged_lens(b), s_q, h, torch.bfloat16, seed=seed)
 
 
 def _assert_same_bits(monkeypatch, name: str, before, after, q, kv, table, seqlens, num_splits):
@@ -94,7 +98,7 @@ def test_persistent_launch_matches_reference(monkeypatch, b, s_q, h, cluster, dt
     monkeypatch.setattr(cd, "STREAM_K", False)
     if cluster is not None:
         monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    lens = _ragged_lens(b)
     q, kv, table, seqlens = check.make_case(lens, s_q, h, dtype, seed=b)
     c = cd.cluster_size(s_q * h, False)
     assert cd.persistent_clusters(b, s_q * h, False, False, c, q.device) > 0, "the case must run persistent"
@@ -152,7 +156,7 @@ def test_stream_k_launch_matches_reference(monkeypatch, lens_kind, b, s_q, h, cl
         monkeypatch.setattr(cd, "cluster_size", lambda rows, kv_fp8: cluster)
     monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", 0)     # every case on the balanced schedule
     if lens_kind == "ragged":
-        lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+        lens = _ragged_lens(b)
     elif lens_kind == "one long":
         lens = [32768 if i == 3 else 1 + (37 * i) % 64 for i in range(b)]
     else:
@@ -203,7 +207,7 @@ def test_early_row_sums_give_the_same_bits(monkeypatch, b, s_q, h, num_splits, m
     default): the same bits, on ragged lengths with empty and one-token requests."""
     if min_tiles is not None:
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    lens = _ragged_lens(b)
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + s_q)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, "EARLY_SUMS", not cd.EARLY_SUMS)
@@ -233,7 +237,7 @@ def test_seesaw_switches_match_reference(monkeypatch, switch, b, s_q, h, num_spl
     monkeypatch.setattr(cd, "SPEC_EXP", False)      # built on two of them; test_speculative_p_matches_reference
     for name in SEESAW_SWITCHES:
         monkeypatch.setattr(cd, name, False)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    lens = _ragged_lens(b)
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + s_q + int(q_gain))
     q = q * q_gain
     ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
@@ -263,7 +267,7 @@ def test_speculative_p_matches_reference(monkeypatch, b, s_q, h, num_splits, min
         monkeypatch.setattr(cd, "STREAM_K_MIN_TILES", min_tiles)
     for name in SEESAW_SWITCHES:
         monkeypatch.setattr(cd, name, True)
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    lens = _ragged_lens(b)
     q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=3 * b + s_q + int(q_gain))
     q = q * q_gain
     monkeypatch.setattr(cd, "SPEC_EXP", False)
@@ -441,8 +445,7 @@ def test_fp8_half_ring_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, c
     by the consumers' TMA two pages ahead): within the reference's tolerances on ragged lengths (an empty request,
     one token, page edges, 0xFF-poisoned unused slots), and the same bits as the whole-tile ring: the same values in
     the same wgmma k-step order."""
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
-    q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h + s_q)
+    q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=b + h + s_q)
     monkeypatch.setattr(cd, "FP8_HALF_RING", False)
     out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     monkeypatch.setattr(cd, "FP8_HALF_RING", True)
@@ -564,7 +567,7 @@ def test_fp8_grid_of_several_waves_takes_requests_longest_first(monkeypatch, s_q
     grid maps its request axis through the longest-first order; the result meets the reference and equals a
     launch in batch order bit for bit."""
     b = 150
-    lens = [(0, 1, 64, 65)[i] if i < 4 else 1 + (389 * i) % 1500 for i in range(b)]
+    lens = _ragged_lens(b)
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
     assert cd.grid_order(seqlens, b * (s_q * h // 64), 1) is not None, "the case must run ordered"
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)

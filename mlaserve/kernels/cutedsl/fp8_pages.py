@@ -27,6 +27,7 @@ RAW_STAGES = 2
 LOADER_THREADS = 128
 HALF_SLOTS = 3        # the 64-row FP8 kernel's half ring: bf16 slots of a column half [64, 256] each
 HALF_SLOT_BYTES = TILE_N * D_V
+PE_BYTES = TILE_N * D_PE * 2
 
 
 def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
@@ -207,6 +208,16 @@ def store_halves(tidx: Int32, page, t: Int32, kv_base: Int32, kv_full: cute.Poin
         slot = use % HALF_SLOTS
         cute.arch.mbarrier_wait(kv_empty + slot, (use // HALF_SLOTS + 1) % 2)
         store_half(tidx, page, half, kv_base + slot * HALF_SLOT_BYTES, kv_full + slot, valid)
+
+
+@cute.jit
+def load_pe(tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, bar: cute.Pointer, page: Int32, lane: Int32,
+            stage=0):
+    """A page's k_pe [64, 64] bf16 by TMA into k_pe buffer `stage` of tPs, on `bar` (called by one whole warp): the
+    FP8 kernels whose k_pe does not travel in the raw stage (the narrow kernel's two tiles, the half ring)."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, PE_BYTES)
+    cute.copy(tma_pe, tPg[None, page], tPs[None, stage], tma_bar_ptr=bar)
 
 
 @cute.jit

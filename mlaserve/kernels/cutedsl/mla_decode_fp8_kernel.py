@@ -71,7 +71,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, HALF_SLOTS, LOADER_THREADS, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup,
-    fp8_loader)
+    fp8_loader, load_pe)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 from mlaserve.kernels.cutedsl.split_consumers import (
@@ -88,7 +88,6 @@ THREADS = 3 * 128
 HALF_RING_LOADER_REGS = 104
 HALF_RING_CONSUMER_REGS = 200  # 128 * 104 + 256 * 200 = 64512
 PE_STAGES = 2         # the half ring's k_pe buffers, filled by the consumers' TMA two pages ahead
-PE_BYTES = TILE_N * D_PE * 2
 # the loader hands the bf16 tile over every RELEASE_EVERY of its 8 column blocks (fp8_dequant.dequant_tile)
 RELEASE_EVERY = 4
 
@@ -208,7 +207,7 @@ class MLADecodeFP8Sm90:
                 if cw == 0 and warp == 0:
                     for stage in cutlass.range_constexpr(PE_STAGES):
                         if stage < n_tiles:
-                            _load_pe(tma_pe, tPg, tPs, pe_full + stage, stage, mBT[batch, first_page + stage], lane)
+                            load_pe(tma_pe, tPg, tPs, pe_full + stage, mBT[batch, first_page + stage], lane, stage)
 
             # a wgmma m64 accumulator gives each thread rows r0 and r0 + 8 (value index bit 1 picks the row)
             r0 = (ctid // 32) * 16 + (ctid % 32) // 4
@@ -254,7 +253,7 @@ class MLADecodeFP8Sm90:
                 if const_expr(self.half_ring):
                     # both consumers' S of page t is done (BAR_MAX): its k_pe buffer takes page t + PE_STAGES's
                     if cw == 0 and warp == 0 and t + PE_STAGES < n_tiles:
-                        _load_pe(tma_pe, tPg, tPs, pe_full + t % PE_STAGES, t % PE_STAGES, later_page, lane)
+                        load_pe(tma_pe, tPg, tPs, pe_full + t % PE_STAGES, later_page, lane, t % PE_STAGES)
                 publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
                 scale_rows(acc_o, alpha)
@@ -361,15 +360,6 @@ def _qk_half_ring(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor,
             cute.gemm(atom, acc, tSrQ[None, None, half * steps + k], tSrK[None, None, k, slot], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
-
-
-@cute.jit
-def _load_pe(tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, bar: cute.Pointer, stage, page: Int32,
-             lane: Int32):
-    """A page's k_pe [64, 64] bf16 by TMA into k_pe buffer `stage`, on `bar` (called by one whole warp)."""
-    if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, PE_BYTES)
-    cute.copy(tma_pe, tPg[None, page], tPs[None, stage], tma_bar_ptr=bar)
 
 
 def fp8_split_storage(sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,

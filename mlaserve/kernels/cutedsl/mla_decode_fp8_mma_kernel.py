@@ -44,7 +44,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, ROPE_ELEMS, ROW_WORDS, TILE_N, fp8_io_tensors
+from mlaserve.kernels.cutedsl.fp8_pages import (
+    D_PE, D_QK, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N, fp8_io_tensors)
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
@@ -64,7 +65,6 @@ BAR_RED = 3           # + 2 c: consumer c's 4 warps: column and scale maxima (th
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
 KV_BYTES = TILE_N * D_V
 SCALE_BYTES = TILE_N * GROUPS * 4
-PE_BYTES = TILE_N * D_PE * 2
 Q_RANGE_EXP = 7       # q * 2^a has its largest |value| in [2^7, 2^8)
 P_RANGE = 256.0
 RED_SLOTS = N + GROUPS  # per warp and parity: the column maxima, then the scale groups' maxima

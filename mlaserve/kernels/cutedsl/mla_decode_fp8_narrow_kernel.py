@@ -58,7 +58,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
-    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader)
+    D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader, load_pe)
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
@@ -69,7 +69,6 @@ CONSUMER_THREADS = 128
 BAR_RED = 1           # the consumer's 4 warps: column maxima (then sums) in smem
 BAR_P = 2             # the consumer's 4 warps: P^T complete in smem
 WARPS = 4
-PE_BYTES = TILE_N * D_PE * 2
 # with two bf16 tiles, the loader hands a tile over every RELEASE_EVERY of its 8 column blocks (each hand-over
 # is a proxy fence that waits for the loader's stores; the consumer works on the other tile meanwhile)
 RELEASE_EVERY = 8
@@ -221,7 +220,7 @@ class MLADecodeFP8NarrowSm90:
                 tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
                                                  cute.group_modes(gPE, 0, 2))
                 if warp == 0 and n_tiles > 0:
-                    _load_pe(tma_pe, tPg, tPs, pe_full, mBT[batch, first_page], lane)
+                    load_pe(tma_pe, tPg, tPs, pe_full, mBT[batch, first_page], lane)
 
             # this thread's keys: rows k0 and k0 + 8 of each page; its columns (query rows): slot s is
             # column 8 (s // 2) + 2 (lane % 4) + s % 2
@@ -277,7 +276,7 @@ class MLADecodeFP8NarrowSm90:
                     if warp == 0 and t + 1 < n_tiles:
                         if const_expr(not self.bt_ahead):
                             next_page = mBT[batch, first_page + t + 1]
-                        _load_pe(tma_pe, tPg, tPs, pe_full, next_page, lane)
+                        load_pe(tma_pe, tPg, tPs, pe_full, next_page, lane)
                     next_page = later_page
                 take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (t % 2,))
                 exp_columns(acc_s, m_base, col_l, n)
@@ -306,13 +305,3 @@ class MLADecodeFP8NarrowSm90:
                     else:
                         mOut[batch, r, tOcO[i][0]] = val.to(self.dtype)
             store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
-
-
-
-@cute.jit
-def _load_pe(tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, pe_full: cute.Pointer, page: Int32,
-             lane: Int32):
-    """A page's k_pe [64, 64] bf16 by TMA into the k_pe buffer, on pe_full (called by one whole warp)."""
-    if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(pe_full, PE_BYTES)
-    cute.copy(tma_pe, tPg[None, page], tPs[None, 0], tma_bar_ptr=pe_full)
