@@ -13,6 +13,7 @@ from mlaserve import ops
 from mlaserve.attention import registry
 from mlaserve.attention.base import BackendConfig
 from mlaserve.kernels import reference
+from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.triton.mla_decode import combine_splits
 from mlaserve.ops.registry import BACKENDS, PREFERENCE
 
@@ -296,3 +297,15 @@ def test_stream_k_buffers_hold_every_launch_the_device_takes(cluster):
     assert sched.dtype == torch.int32 and sched.numel() >= 3 * slots + 2 + 3 * slots * cluster
     assert partials.dtype == torch.float32 and partials.numel() >= slots * 2 * cluster * 64 * (512 + 1)
     assert cd.stream_k_buffers(CPU)[0] is sched       # one pair per device
+
+
+def test_register_split_fits_the_launch_allocation():
+    """setmaxnreg trades registers within the CTA's launch allocation (384 threads x 168): the kernels' splits
+    assert this at import; 128 x 112 + 256 x 200 asks 1024 more, and its consumers' setmaxnreg.inc hung."""
+    assert register_split_fits((128, 104), (256, 200))
+    assert register_split_fits((128, 112), (256, 192))
+    assert not register_split_fits((128, 112), (256, 200))
+    assert register_split_fits((128, 24), (256, 240))
+    assert not register_split_fits((128, 24), (128, 240), (128, 248))
+    assert register_split_fits((128, 128), (128, 368))      # 256 threads launch at 248 registers at most
+    assert not register_split_fits((128, 136), (128, 368))

@@ -68,6 +68,7 @@ import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, HALF_SLOTS, LOADER_THREADS, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup,
@@ -82,7 +83,7 @@ TILE_M = 64           # query rows per CTA: one wgmma M
 HALF_N = TILE_N // 2
 HALF_V = D_V // 2
 LOADER_REGS = 56
-CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 65536
+CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
 THREADS = 3 * 128
 # the half ring (MLADecodeFP8Sm90(half_ring=True)): the loader holds a page's raw bytes in registers (80 of them)
 HALF_RING_LOADER_REGS = 104
@@ -90,6 +91,8 @@ HALF_RING_CONSUMER_REGS = 200  # 128 * 104 + 256 * 200 = 64512
 PE_STAGES = 2         # the half ring's k_pe buffers, filled by the consumers' TMA two pages ahead
 # the loader hands the bf16 tile over every RELEASE_EVERY of its 8 column blocks (fp8_dequant.dequant_tile)
 RELEASE_EVERY = 4
+assert register_split_fits((128, LOADER_REGS), (2 * 128, CONSUMER_REGS))
+assert register_split_fits((128, HALF_RING_LOADER_REGS), (2 * 128, HALF_RING_CONSUMER_REGS))
 
 
 class MLADecodeFP8Sm90:

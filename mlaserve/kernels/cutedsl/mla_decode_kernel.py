@@ -87,6 +87,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
 from mlaserve.kernels.cutedsl.mla_decode import TRACE_FIELDS
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
@@ -103,6 +104,7 @@ from mlaserve.kernels.cutedsl.ticket_scheduler import (ITEM_STAGES, fetch_ticket
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 THREADS = 3 * 128
+assert register_split_fits((128, PRODUCER_REGS), (THREADS - 128, CONSUMER_REGS))
 BAR_WG = 4            # + w: consumer w's own 128 threads (V rows it zeroed, before its own wgmma reads them)
 # traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
 # clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;

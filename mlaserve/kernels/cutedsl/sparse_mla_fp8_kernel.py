@@ -40,7 +40,7 @@ freed by the consumer whose P V reads it (kv_empty + slot, 128 arrivals) and han
 bytes and scales have one buffer: each loader thread reads its share into 80 registers (fp8_dequant.load_raw_page),
 the four warps meet on BAR_LOADER, and tile t + 1 is gathered into the buffer while tile t is converted. The
 pipeline's two stages are then k_pe's two buffers (the consumers still free a stage after S). Smem: Q 73728 + slots
-98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers: loader 112, consumers 200.
+98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers: loader 112, consumers 192.
 
 Barriers per tile t (stage s = t % 2):
   raw full[s]  128 loader arrivals (cp.async noinc)   loader waits (dequantize), consumers wait (k_pe)
@@ -58,10 +58,10 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
 
+from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page
 from mlaserve.kernels.cutedsl.fp8_pages import HALF_SLOTS, _pv_gemm, _qk_gemm, store_halves
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import (
-    HALF_RING_CONSUMER_REGS, _consumer_operands, _qk_half_ring, fp8_split_storage)
+from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _qk_half_ring, fp8_split_storage
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     D_QK, D_V, HALF_N, PRODUCER_THREADS, ROW_PASSES, ROWS_PER_PASS, THREADS, TILE_M, TILE_N, consumer_rows, cp16,
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
@@ -80,8 +80,11 @@ CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
 LOADER_THREADS = PRODUCER_THREADS   # 128, gathering 8 threads per row as sparse_mla_kernel.row_slots assumes
 HALF_V = D_V // 2
 # the half ring: the loader holds a tile's raw bytes in 80 registers beside the gather's (104 spilled 16 bytes)
-HALF_RING_LOADER_REGS = 112     # 128 * 112 + 256 * 200 = 65536
+HALF_RING_LOADER_REGS = 112
+HALF_RING_CONSUMER_REGS = 192   # 128 * 112 + 256 * 192 = 64512
 BAR_LOADER = 3        # the half ring: the loader's 4 warps, each thread's share of the raw stage in registers
+assert register_split_fits((LOADER_THREADS, LOADER_REGS), (CONSUMER_THREADS, CONSUMER_REGS))
+assert register_split_fits((LOADER_THREADS, HALF_RING_LOADER_REGS), (CONSUMER_THREADS, HALF_RING_CONSUMER_REGS))
 
 
 class SparseMLAFP8Sm90:

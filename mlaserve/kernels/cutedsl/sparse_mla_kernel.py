@@ -54,6 +54,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.seesaw_consumers import issue_mma, v_view
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, key_of, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias,
@@ -70,6 +71,7 @@ PRODUCER_REGS = 40    # address math for 36 copies per tile; 40 + 2 * 232 per 12
 CONSUMER_REGS = 232
 THREADS = 3 * 128
 PRODUCER_THREADS = 128
+assert register_split_fits((PRODUCER_THREADS, PRODUCER_REGS), (THREADS - PRODUCER_THREADS, CONSUMER_REGS))
 
 CHUNK = 8                                  # 16-bit values per 16-byte cp.async
 CHUNKS_PER_ROW = D_QK // CHUNK             # 72
