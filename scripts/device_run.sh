@@ -36,7 +36,8 @@
 #                     table printed; T_NCU 240
 #   phase "splits"    scripts/split_sweep.py (small-batch KV split counts, timed as the benchmark) for triton, then for
 #                     cutedsl where the DSL is on the machine, into splits.log; T_SPLITS 120 each
-#   T_TEST 180 (pytest-timeout's limit per test: lower it where a kernel under test may hang)
+#   T_TEST 180, or the pytest phase's limit less 20 s where lower (pytest-timeout's limit per test: a test that
+#                     hangs then fails by name instead of the phase being killed with nothing said)
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
 # Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log cutedsl_sparse.log
@@ -191,8 +192,12 @@ fi
 if has_phase pytest; then
   if [ -d tests/gpu ]; then
     extra=()
-    if python3 -c "import pytest_timeout" >/dev/null 2>&1; then extra=(--timeout "${T_TEST:-180}"); fi
-    run_phase pytest "$(limit "${T_PYTEST:-150}")" "$OUT/pytest.log" python3 -m pytest -q -p no:cacheprovider \
+    lim=$(limit "${T_PYTEST:-150}")
+    # a test that hangs (a kernel deadlock) fails by name before the phase's own limit kills pytest unheard
+    t_test=${T_TEST:-$((lim - 20 < 180 ? lim - 20 : 180))}
+    if [ "$t_test" -lt 30 ]; then t_test=30; fi
+    if python3 -c "import pytest_timeout" >/dev/null 2>&1; then extra=(--timeout "$t_test"); fi
+    run_phase pytest "$lim" "$OUT/pytest.log" python3 -m pytest -q -p no:cacheprovider \
       --durations=10 "${extra[@]}" ${PYTEST_ARGS:-tests/gpu}
     tail -n 15 "$OUT/pytest.log" | tee -a "$LOG"
   else
