@@ -455,6 +455,33 @@ def test_fp8_half_ring_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, c
     assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_HALF_RING changed the bits"
 
 
+@pytest.mark.parametrize("b, s_q, h, num_splits, causal, q_gain", [
+    (8, 1, 128, 1, True, 1.0),      # two row blocks a request
+    (8, 1, 128, 1, True, 4.0),      # logits 4x as wide: maxima rise by > 2^8 after the first page (the slow path)
+    (5, 1, 80, 1, True, 4.0),       # a full block, then a partial one
+    (6, 2, 64, 1, True, 1.0),       # s_q 2: causal among the new tokens (rows with no key on masked pages)
+    (3, 3, 64, 1, False, 4.0),      # s_q 3, not causal
+    (4, 1, 128, 4, True, 4.0),      # split partials
+    (150, 1, 64, 1, True, 1.0),     # more CTAs than SMs
+])
+def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, num_splits, causal, q_gain):
+    """mla_decode.FP8_ONE_BARRIER (the 64-row FP8 kernel's consumers meeting once a page, on P, where no row's max
+    rises by more than 2^8; both barriers where one does), on the half ring and on the whole tile: within the
+    reference's tolerances on ragged lengths (an empty request, one token, page edges, 0xFF-poisoned unused slots),
+    and close to the two-barrier kernel (the running max is lazy: the same P up to rounding)."""
+    q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=5 * b + h + s_q + int(q_gain))
+    q = q * q_gain
+    out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    monkeypatch.setattr(cd, "FP8_ONE_BARRIER", True)
+    for half_ring in (True, False):
+        monkeypatch.setattr(cd, "FP8_HALF_RING", half_ring)
+        out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+        ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, causal)
+        assert ok, f"half_ring={half_ring}: max abs err {max_err:.2e}: {why}"
+        torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])
 def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]

@@ -220,6 +220,10 @@ FP8_N32_TWO_TILES = True
 # named, --sustain-ms 20): h128 4k / 8k 1.052 / 1.048x, h128 s_q2 4k 1.059x, h64 4k / 32k 1.053 / 1.036x, h64 s_q2 4k
 # 1.051x, h128 4k variable lengths 1.054x, b16 / b4 h128 32k (split) 1.050 / 1.033x (False: for A/B runs)
 FP8_HALF_RING = True
+# The 64-row FP8 kernel's consumers: softmax on one barrier a page where no row's max rises by more than
+# split_consumers.LAZY_RESCALE_LOG2 (split_consumers.one_barrier_p), against the two barriers (maxima, then P) every
+# page. Not the same bits (the running max is lazy); measured on no GPU yet: off
+FP8_ONE_BARRIER = False
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
@@ -419,6 +423,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("one-tile",)
     if kv_fp8 and not narrow and FP8_HALF_RING:
         key += ("half-ring",)
+    if kv_fp8 and not narrow and FP8_ONE_BARRIER:
+        key += ("one-barrier",)
     if fp8_mma:
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
@@ -457,7 +463,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         elif kv_fp8:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
             fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16,
-                                                    half_ring=FP8_HALF_RING),
+                                                    half_ring=FP8_HALF_RING, one_barrier=FP8_ONE_BARRIER),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")

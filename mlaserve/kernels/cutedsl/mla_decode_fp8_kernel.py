@@ -76,8 +76,8 @@ from mlaserve.kernels.cutedsl.fp8_pages import (
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas, store_dense_block,
-    store_dense_lse)
+    CONSUMER_THREADS, arrive_p_free, finish_rows, one_barrier_p, publish_p, rescale_to_tile_max, scale_rows,
+    split_tiled_mmas, store_dense_block, store_dense_lse)
 
 TILE_M = 64           # query rows per CTA: one wgmma M
 HALF_N = TILE_N // 2
@@ -99,10 +99,12 @@ class MLADecodeFP8Sm90:
     """Compiled per (causal, split, ordered); q, out bf16. Launched by mla_decode.py through `__call__`."""
 
     def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False,
-                 half_ring: bool = False):
+                 half_ring: bool = False, one_barrier: bool = False):
         self.dtype = cutlass.BFloat16
         # the bf16 c_kv tile as HALF_SLOTS slots of a column half (module docstring, "The half ring")
         self.half_ring = half_ring
+        # the consumers' softmax on one barrier a page where no row's max rises (split_consumers.one_barrier_p)
+        self.one_barrier = one_barrier
         self.causal = causal
         self.is_split = is_split
         self.store16 = store16    # whole 64-row blocks (O or split partials) stored 16 bytes at a time
@@ -252,14 +254,23 @@ class MLADecodeFP8Sm90:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         if tok0 + cw * HALF_N + tScS[i][1] >= vis[(i // 2) % 2]:
                             acc_s[i] = -Float32.inf
-                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
-                if const_expr(self.half_ring):
-                    # both consumers' S of page t is done (BAR_MAX): its k_pe buffer takes page t + PE_STAGES's
-                    if cw == 0 and warp == 0 and t + PE_STAGES < n_tiles:
-                        load_pe(tma_pe, tPg, tPs, pe_full + t % PE_STAGES, later_page, lane, t % PE_STAGES)
-                publish_p(acc_s, m_base, row_l, rP, tPsP)
-                # -- O_w = alpha O_w + P V_w --
-                scale_rows(acc_o, alpha)
+                if const_expr(self.one_barrier):
+                    moved = one_barrier_p(acc_s, row_m, row_l, alpha, m_base, rP, tPsP, sStat, r0, cw, ctid, t > 0)
+                    if const_expr(self.half_ring):
+                        # both consumers' S of page t is done (BAR_P): its k_pe buffer takes page t + PE_STAGES's
+                        if cw == 0 and warp == 0 and t + PE_STAGES < n_tiles:
+                            load_pe(tma_pe, tPg, tPs, pe_full + t % PE_STAGES, later_page, lane, t % PE_STAGES)
+                    if moved != 0:
+                        scale_rows(acc_o, alpha)
+                else:
+                    rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
+                    if const_expr(self.half_ring):
+                        # both consumers' S of page t is done (BAR_MAX): its k_pe buffer takes page t + PE_STAGES's
+                        if cw == 0 and warp == 0 and t + PE_STAGES < n_tiles:
+                            load_pe(tma_pe, tPg, tPs, pe_full + t % PE_STAGES, later_page, lane, t % PE_STAGES)
+                    publish_p(acc_s, m_base, row_l, rP, tPsP)
+                    # -- O_w = alpha O_w + P V_w --
+                    scale_rows(acc_o, alpha)
                 if const_expr(self.half_ring):
                     # V_w is page t's column half cw; its slot is free once this P V is done (the other
                     # consumer's S of page t, the slot's other reader, came before P was complete)
@@ -269,6 +280,9 @@ class MLADecodeFP8Sm90:
                 else:
                     _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
                     cute.arch.mbarrier_arrive(kv_empty)
+                if const_expr(self.one_barrier):
+                    if t + 1 < n_tiles:
+                        arrive_p_free(cw)      # this P V has read P: the other may store its half of the next
 
             # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)

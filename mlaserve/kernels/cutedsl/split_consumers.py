@@ -27,6 +27,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 BAR_MAX = 1           # named barriers (0 is __syncthreads)
 BAR_P = 2
+BAR_P_FREE = 4        # + w (one_barrier_p): consumer w may store its half of P, the other's P V before has read P
 CONSUMER_THREADS = 256
 HALF_V = 256          # columns of O per consumer
 BLOCK_ROWS = 64       # query rows (heads) of a CTA
@@ -169,6 +170,78 @@ def publish_p(acc_s: cute.Tensor, m_base: cute.Tensor, row_l: cute.Tensor, rP: c
     cute.autovec_copy(rP, tPsP)
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=BAR_P, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def one_barrier_p(acc_s: cute.Tensor, row_m: cute.Tensor, row_l: cute.Tensor, alpha: cute.Tensor,
+                  m_base: cute.Tensor, rP: cute.Tensor, tPsP: cute.Tensor, s_max: cute.Tensor, r0: Int32, cw: Int32,
+                  ctid: Int32, wait_free) -> Int32:
+    """rescale_to_tile_max and publish_p on one barrier a page where no row's max rises by more than
+    LAZY_RESCALE_LOG2 (quad_row_max's lazy rule), which after the first page is nearly every page.
+
+    P_w = exp2(S_w - m_base) against the running max goes into rP while this thread's maxima of its two rows are
+    folded from the same S (acc_s, in log2 units, kept). Once the other consumer's P V of the page before has
+    read P (BAR_P_FREE + cw, which the caller's arrive_p_free opens; skipped where `wait_free` is false, on the
+    first page), P_w goes into smem and both consumers meet on BAR_P once, with an OR of "some value of mine rose
+    by more than LAZY_RESCALE_LOG2 above its row's running max" (a row with no key yet has max -inf: any finite
+    value rises). None rose: that P stands, row_l takes its sums, the running max stays, alpha is 1 and O needs
+    no rescale. Some rose (every thread of both consumers sees the same answer): the split pair's two-barrier
+    step from the same S, rescale_to_tile_max then publish_p, P stored over the first. -> 1 where O_w needs
+    scale_rows(acc_o, alpha), else 0.
+
+    Against the two barriers every page: one exchange of the two consumers a page instead of two (the maxima's
+    smem round trip, its shuffles and the move gone), O's rescale gone. The running max is lazy, so the bits
+    differ from the exact max's; P <= 2^LAZY_RESCALE_LOG2 stays exact in bf16 and the fp32 sums."""
+    sums = cute.make_rmem_tensor(2, Float32)
+    pair = cute.make_rmem_tensor(2, Float32)
+    sums[0] = 0.0
+    sums[1] = 0.0
+    for j in cutlass.range_constexpr(cute.size(acc_s) // 2):
+        for e in cutlass.range_constexpr(2):
+            i = 2 * j + e
+            p = cute.arch.exp2(acc_s[i] - m_base[row_of(i)])
+            pair[e] = p
+            sums[row_of(i)] = sums[row_of(i)] + p
+        cute.make_tensor(rP.iterator + 2 * j, cute.make_layout(2)).store(pair.load().to(rP.element_type))
+    mx = cute.make_rmem_tensor(2, Float32)
+    mx[0] = -Float32.inf
+    mx[1] = -Float32.inf
+    fold_row_max(acc_s, mx)
+    # -inf - -inf (no key yet, none in this page) is NaN, which compares false: its P is exp2(-inf - 0) = 0
+    rose = Int32(0)
+    if (mx[0] - row_m[0] > LAZY_RESCALE_LOG2) | (mx[1] - row_m[1] > LAZY_RESCALE_LOG2):
+        rose = Int32(1)
+    if wait_free:
+        cute.arch.barrier(barrier_id=BAR_P_FREE + cw, number_of_threads=CONSUMER_THREADS)
+    cute.autovec_copy(rP, tPsP)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    moved = barrier_any(rose, BAR_P, CONSUMER_THREADS)
+    if moved != 0:
+        rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, s_max, r0, cw, ctid)
+        publish_p(acc_s, m_base, row_l, rP, tPsP)
+    else:
+        row_l[0] = row_l[0] + sums[0]
+        row_l[1] = row_l[1] + sums[1]
+    return moved
+
+
+@cute.jit
+def arrive_p_free(cw: Int32):
+    """After this consumer's P V of a page has been waited for: the other consumer may store its half of the next
+    page's P (one_barrier_p's BAR_P_FREE)."""
+    cute.arch.barrier_arrive(barrier_id=BAR_P_FREE + 1 - cw, number_of_threads=CONSUMER_THREADS)
+
+
+@dsl_user_op
+def barrier_any(pred: Int32, barrier_id: int, threads: int, *, loc=None, ip=None) -> Int32:
+    """Named barrier `barrier_id` over `threads` threads as cute.arch.barrier (bar.red waits and orders memory as
+    bar.sync), which also returns in every one of them 1 if any thread's `pred` is non-zero, else 0."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred q, p;\nsetp.ne.b32 q, $1, 0;\n"
+        f"bar.red.or.pred p, {barrier_id}, {threads}, q;\n"
+        "selp.b32 $0, 1, 0, p;\n}\n", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit
