@@ -240,7 +240,7 @@ def barrier_any(pred: Int32, barrier_id: int, threads: int, *, loc=None, ip=None
         Int32.mlir_type, [Int32(pred).ir_value(loc=loc, ip=ip)],
         "{\n.reg .pred q, p;\nsetp.ne.b32 q, $1, 0;\n"
         f"bar.red.or.pred p, {barrier_id}, {threads}, q;\n"
-        "selp.b32 $0, 1, 0, p;\n}\n", "=r,r",
+        "selp.b32 $0, 1, 0, p;\n}\n", "=r,r,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
