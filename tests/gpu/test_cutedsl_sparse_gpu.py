@@ -74,6 +74,32 @@ def test_fp8_half_ring_gives_the_same_bits(monkeypatch, case):
     assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_HALF_RING changed the bits"
 
 
+@pytest.mark.parametrize("b, s_q, h, topk, s_kv, num_splits, q_gain", [
+    (4, 2, 128, 2048, 4096, None, 4.0),   # logits 4x as wide: maxima rise by > 2^8 after the first tile (slow path)
+    (4, 1, 16, 2048, 4096, None, 1.0),    # 16 heads padded to a 64-row block
+    (3, 2, 32, 100, 300, None, 4.0),      # ragged top-k, -1s
+    (2, 3, 64, 1000, 700, None, 1.0),
+    (2, 2, 128, 576, 4096, 16, 4.0),      # 16 splits
+])
+def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, topk, s_kv, num_splits, q_gain):
+    """sparse_mla.FP8_ONE_BARRIER (the FP8 kernel's consumers meeting once a tile, on P, where no row's max rises by
+    more than 2^8; both barriers where one does), on the half ring and on the whole tile: within the reference's
+    tolerances (NaN/0xFF in every slot no index names, -1s, repeats, ragged top-k, splits) and close to the
+    two-barrier kernel (the running max is lazy: the same P up to rounding)."""
+    q, kv, idx = check.make_fp8_case(b, s_q, h, topk, s_kv, seed=11 * b + h + int(q_gain))
+    q = q * q_gain
+    ref_out, ref_lse = reference.sparse_mla(q.double(), ops.dequantize_kv_fp8(kv).double(), idx, check.SCALE)
+    out0, lse0 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(sp, "FP8_ONE_BARRIER", True)
+    for half_ring in (True, False):
+        monkeypatch.setattr(sp, "FP8_HALF_RING", half_ring)
+        out, lse = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
+        ok, max_err, why = check.compare(out, lse, ref_out, ref_lse)
+        assert ok, f"half_ring={half_ring}: max abs err {max_err:.2e}: {why}"
+        torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
+
+
 # sparse_mla's softmax switches (lazy rescale, tree max): the seesaw kernel's (16-bit caches)
 SOFTMAX_SWITCHES = ("LAZY_RESCALE", "TREE_MAX")
 

@@ -48,6 +48,10 @@ TREE_MAX = True
 # registers (sparse_mla_fp8_kernel.py, "The half ring"; the dense decode's mla_decode.FP8_HALF_RING, 1.03-1.06x
 # there), against one whole tile and two raw stages. Off until measured on a GPU (bench/NOTES.md 119)
 FP8_HALF_RING = False
+# the FP8 cache's kernel with its consumers' softmax on one barrier a page where no row's max rises by more than 2^8
+# (split_consumers.one_barrier_p; the dense decode's mla_decode.FP8_ONE_BARRIER), against two barriers every page.
+# Not the same bits (the running max is lazy). Off until measured on a GPU (bench/NOTES.md 124)
+FP8_ONE_BARRIER = False
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -128,6 +132,8 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
         key += ("store16",)
     if fp8 and FP8_HALF_RING:
         key += ("half-ring",)
+    if fp8 and FP8_ONE_BARRIER:
+        key += ("one-barrier",)
     softmax = softmax if seesaw and not fp8 else (False, False)
     if any(softmax):
         key += ("softmax",) + softmax
@@ -140,7 +146,7 @@ def _kernel(dtype: torch.dtype, split: bool, fp8: bool = False, seesaw: bool = T
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         if fp8:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_fp8_kernel").SparseMLAFP8Sm90(
-                is_split=split, store16=store16, half_ring=FP8_HALF_RING)
+                is_split=split, store16=store16, half_ring=FP8_HALF_RING, one_barrier=FP8_ONE_BARRIER)
         elif seesaw:
             kernel = importlib.import_module("mlaserve.kernels.cutedsl.sparse_mla_seesaw_kernel").SparseMLASeesawSm90(
                 cute_dtype(dtype), is_split=split, store16=store16, lazy_rescale=softmax[0], tree_max=softmax[1])

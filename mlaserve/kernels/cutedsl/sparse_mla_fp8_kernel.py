@@ -67,8 +67,8 @@ from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
     wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, finish_rows, key_of, publish_p, rescale_to_tile_max, scale_rows, sparse_key_bias,
-    split_tiled_mmas, store_sparse)
+    CONSUMER_THREADS, arrive_p_free, finish_rows, key_of, one_barrier_p, publish_p, rescale_to_tile_max, scale_rows,
+    sparse_key_bias, split_tiled_mmas, store_sparse)
 
 D_PE = D_QK - D_V
 RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit words (528 B)
@@ -90,12 +90,14 @@ assert register_split_fits((LOADER_THREADS, HALF_RING_LOADER_REGS), (CONSUMER_TH
 class SparseMLAFP8Sm90:
     """Compiled per split; q, out bf16. Launched by sparse_mla.py through `__call__`."""
 
-    def __init__(self, is_split: bool, store16: bool = False, half_ring: bool = False):
+    def __init__(self, is_split: bool, store16: bool = False, half_ring: bool = False, one_barrier: bool = False):
         self.dtype = cutlass.BFloat16
         self.is_split = is_split
         self.store16 = store16    # blocks of 64 heads (out or split partials) stored 16 bytes at a time
         # the bf16 tile as HALF_SLOTS column-half slots, one raw buffer (module docstring, "The half ring")
         self.half_ring = half_ring
+        # the consumers' softmax on one barrier a page where no row's max rises (split_consumers.one_barrier_p)
+        self.one_barrier = one_barrier
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -226,10 +228,14 @@ class SparseMLAFP8Sm90:
                 raw_c.advance()
                 for i in cutlass.range_constexpr(n_vals):
                     acc_s[i] = acc_s[i] * scale_log2 + bias[key_of(i)]
-                rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
-                publish_p(acc_s, m_base, row_l, rP, tPsP)
                 # -- O_w = alpha O_w + P V_w --
-                scale_rows(acc_o, alpha)
+                if const_expr(self.one_barrier):
+                    if one_barrier_p(acc_s, row_m, row_l, alpha, m_base, rP, tPsP, sStat, r0, cw, ctid, t > 0) != 0:
+                        scale_rows(acc_o, alpha)
+                else:
+                    rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
+                    publish_p(acc_s, m_base, row_l, rP, tPsP)
+                    scale_rows(acc_o, alpha)
                 if const_expr(self.half_ring):
                     slot = (2 * t + cw) % HALF_SLOTS     # V_w: tile t's column half cw, free after this P V
                     _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, slot])
@@ -237,6 +243,9 @@ class SparseMLAFP8Sm90:
                 else:
                     _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
                     cute.arch.mbarrier_arrive(kv_empty)
+                if const_expr(self.one_barrier):
+                    if t + 1 < n_tiles:
+                        arrive_p_free(cw)      # this P V has read P: the other may store its half of the next
 
             # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
