@@ -13,8 +13,9 @@ REGISTER_FILE = 65536   # 32-bit registers an SM has; ptxas allocates them 8 a t
 def register_split_fits(*groups: tuple[int, int]) -> bool:
     """Whether a warp-specialized kernel's setmaxnreg split -- (threads, registers a thread) per role -- fits the
     CTA's launch allocation: its threads x the most registers a thread can have at launch (65536 / threads, at
-    most 255, rounded down to 8: 168 at 384 threads). The roles only trade registers within that allocation; a split that
-    asks more (128 x 112 + 256 x 200 = 65536 against 384 x 168 = 64512) leaves setmaxnreg.inc waiting forever."""
+    most 255, rounded down to 8: 168 at 384 threads). The roles only trade registers within that allocation; a
+    split that asks more (128 x 112 + 256 x 200 = 65536 against 384 x 168 = 64512) leaves setmaxnreg.inc waiting
+    forever."""
     threads = sum(n for n, _ in groups)
     return sum(n * regs for n, regs in groups) <= threads * (min(REGISTER_FILE // threads, 255) // 8 * 8)
 
