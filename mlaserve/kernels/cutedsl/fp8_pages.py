@@ -15,6 +15,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page, store_half, store_tile
+from mlaserve.kernels.cutedsl.split_consumers import arrive_p_free
 
 TILE_N = 64           # cached tokens per tile: one page
 D_QK = 576
@@ -264,6 +265,27 @@ def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute
             cute.gemm(atom, acc, a_pe[None, None, k], b_pe[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
+
+
+@cute.jit
+def pv_and_release(tiled_mma: cute.TiledMma, acc_o: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
+                   kv_empty: cute.Pointer, t: Int32, cw: Int32, n_tiles: Int32, half_ring: cutlass.Constexpr[bool],
+                   one_barrier: cutlass.Constexpr[bool]):
+    """The split consumer pair's O_w += P V_w of tile t (the 64-row FP8 kernels: mla_decode_fp8_kernel.py,
+    sparse_mla_fp8_kernel.py), waited for, then what it read is freed: on the half ring, slot (2 t + cw) %
+    HALF_SLOTS, tile t's column half cw (the other consumer's S of tile t, the slot's other reader, came before P
+    was complete), else the whole tile (kv_empty); with `one_barrier`, P too, for the other consumer's next store
+    (split_consumers.one_barrier_p), unless t is the last tile."""
+    if const_expr(half_ring):
+        slot = (2 * t + cw) % HALF_SLOTS
+        _pv_gemm(tiled_mma, acc_o, tOrP, tOrV[None, None, None, slot])
+        cute.arch.mbarrier_arrive(kv_empty + slot)
+    else:
+        _pv_gemm(tiled_mma, acc_o, tOrP, tOrV)
+        cute.arch.mbarrier_arrive(kv_empty)
+    if const_expr(one_barrier):
+        if t + 1 < n_tiles:
+            arrive_p_free(cw)
 
 
 @cute.jit

@@ -71,13 +71,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
-    D_PE, D_V, HALF_SLOTS, LOADER_THREADS, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup,
-    fp8_loader, load_pe)
+    D_PE, D_V, HALF_SLOTS, LOADER_THREADS, RAW_STAGES, TILE_N, _qk_gemm, fp8_host_setup, fp8_kernel_setup,
+    fp8_loader, load_pe, pv_and_release)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, arrive_p_free, finish_rows, one_barrier_p, publish_p, rescale_to_tile_max, scale_rows,
-    split_tiled_mmas, store_dense_block, store_dense_lse)
+    CONSUMER_THREADS, finish_rows, one_barrier_p, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas,
+    store_dense_block, store_dense_lse)
 
 TILE_M = 64           # query rows per CTA: one wgmma M
 HALF_N = TILE_N // 2
@@ -271,18 +271,8 @@ class MLADecodeFP8Sm90:
                     publish_p(acc_s, m_base, row_l, rP, tPsP)
                     # -- O_w = alpha O_w + P V_w --
                     scale_rows(acc_o, alpha)
-                if const_expr(self.half_ring):
-                    # V_w is page t's column half cw; its slot is free once this P V is done (the other
-                    # consumer's S of page t, the slot's other reader, came before P was complete)
-                    slot = (2 * t + cw) % HALF_SLOTS
-                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, slot])
-                    cute.arch.mbarrier_arrive(kv_empty + slot)
-                else:
-                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
-                    cute.arch.mbarrier_arrive(kv_empty)
-                if const_expr(self.one_barrier):
-                    if t + 1 < n_tiles:
-                        arrive_p_free(cw)      # this P V has read P: the other may store its half of the next
+                pv_and_release(tiled_mma_pv, acc_o, tOrP, tOrV, kv_empty, t, cw, n_tiles, self.half_ring,
+                               self.one_barrier)
 
             # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)

@@ -60,14 +60,14 @@ from cutlass import Float32, Int32, const_expr
 
 from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page
-from mlaserve.kernels.cutedsl.fp8_pages import HALF_SLOTS, _pv_gemm, _qk_gemm, store_halves
+from mlaserve.kernels.cutedsl.fp8_pages import HALF_SLOTS, _qk_gemm, pv_and_release, store_halves
 from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _qk_half_ring, fp8_split_storage
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     D_QK, D_V, HALF_N, PRODUCER_THREADS, ROW_PASSES, ROWS_PER_PASS, THREADS, TILE_M, TILE_N, consumer_rows, cp16,
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
     wait_gathered, wait_q)
 from mlaserve.kernels.cutedsl.split_consumers import (
-    CONSUMER_THREADS, arrive_p_free, finish_rows, key_of, one_barrier_p, publish_p, rescale_to_tile_max, scale_rows,
+    CONSUMER_THREADS, finish_rows, key_of, one_barrier_p, publish_p, rescale_to_tile_max, scale_rows,
     sparse_key_bias, split_tiled_mmas, store_sparse)
 
 D_PE = D_QK - D_V
@@ -236,16 +236,8 @@ class SparseMLAFP8Sm90:
                     rescale_to_tile_max(acc_s, row_m, row_l, alpha, m_base, sStat, r0, cw, ctid)
                     publish_p(acc_s, m_base, row_l, rP, tPsP)
                     scale_rows(acc_o, alpha)
-                if const_expr(self.half_ring):
-                    slot = (2 * t + cw) % HALF_SLOTS     # V_w: tile t's column half cw, free after this P V
-                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, slot])
-                    cute.arch.mbarrier_arrive(kv_empty + slot)
-                else:
-                    _pv_gemm(tiled_mma_pv, acc_o, tOrP, tOrV)
-                    cute.arch.mbarrier_arrive(kv_empty)
-                if const_expr(self.one_barrier):
-                    if t + 1 < n_tiles:
-                        arrive_p_free(cw)      # this P V has read P: the other may store its half of the next
+                pv_and_release(tiled_mma_pv, acc_o, tOrP, tOrV, kv_empty, t, cw, n_tiles, self.half_ring,
+                               self.one_barrier)
 
             # -- epilogue: row sums through the maxima's smem, normalize, store --
             inv_l = cute.make_rmem_tensor(2, Float32)
