@@ -114,7 +114,8 @@ def fp8_cases(quick: bool):
 
 
 def case_name(c) -> str:
-    return (f"b{c['b']} s_q{c['s_q']} h{c['h']} topk{c['topk']} s_kv{c['s_kv']} {str(c['dtype']).replace('torch.', '')} "
+    return (f"b{c['b']} s_q{c['s_q']} h{c['h']} topk{c['topk']} s_kv{c['s_kv']} "
+            f"{str(c['dtype']).replace('torch.', '')} "
             f"splits={c.get('num_splits', 'auto')}")
 
 

@@ -82,7 +82,8 @@ class BatchLayout:
             table[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
         positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]) \
             if extend_lens else torch.zeros(0, dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(torch.arange(len(extend_lens)), torch.tensor(extend_lens, dtype=torch.int64))
+        req_of_token = torch.repeat_interleave(torch.arange(len(extend_lens)),
+                                               torch.tensor(extend_lens, dtype=torch.int64))
         pages = table[req_of_token, positions // page_size].long()
         slot_mapping = pages * page_size + positions % page_size
         seqlens = torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)], dtype=torch.int32)

@@ -140,7 +140,8 @@ def table(data: dict, brief: bool = False, primary_order: tuple[str, ...] = ()) 
             reasons = "; ".join(f"{r['backend']}: {r['status']}" for r in rows)
             lines.append(f"{head} | {reasons[:120]}")
             continue
-        cell = f"{prim['backend']} {prim['time_us']:9.1f}us {prim.get('tbps', 0):5.2f}TB/s {prim.get('tflops', 0):6.1f}TF"
+        cell = (f"{prim['backend']} {prim['time_us']:9.1f}us {prim.get('tbps', 0):5.2f}TB/s "
+                f"{prim.get('tflops', 0):6.1f}TF")
         if "roofline_frac" in prim:
             cell += f" {100 * prim['roofline_frac']:3.0f}%roof"
         own_bf16 = prim.get("vs", {}).get(f"{prim['backend']}@bf16") if kv == "fp8" else None
@@ -165,7 +166,8 @@ def table(data: dict, brief: bool = False, primary_order: tuple[str, ...] = ()) 
     if bad:
         lines.append(f"{len(bad)} rows invalid or failed:")
         for r in bad[:15]:
-            lines.append(f"  {r['suite']} {r['key']} {r['kv']} {r['backend']}: {r['status']}: {r.get('reason', '')[:150]}")
+            lines.append(f"  {r['suite']} {r['key']} {r['kv']} {r['backend']}: {r['status']}: "
+                         f"{r.get('reason', '')[:150]}")
     return "\n".join(lines)
 
 

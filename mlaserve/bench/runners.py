@@ -71,7 +71,8 @@ def reference(shape: Shape, inputs, subset: Subset):
 
 
 def _sparse_rows(t: torch.Tensor, subset: Subset) -> torch.Tensor:
-    """Sparse MLA has no causality: its subset is `rows` evenly spread query tokens of all requests, as [1, rows, ...]."""
+    """Sparse MLA has no causality: its subset is `rows` evenly spread query tokens of all requests, as
+    [1, rows, ...]."""
     flat = t.reshape(1, -1, *t.shape[2:])
     sel = torch.linspace(0, flat.shape[1] - 1, min(flat.shape[1], REF_ROWS)).round().long().unique().to(t.device)
     return flat[:, sel]

@@ -10,9 +10,10 @@ Backends: `sglang`/`mlaserve` post to `/generate`, `vllm`/`openai`/`sglang-oai` 
 the API takes them (exact lengths, no special tokens added by the server); with --prompt-as-text,
 and always for chat, as text checked to re-tokenize to exactly the asked length (the server may
 still add a BOS token, and chat templates add their own tokens; the report counts the asked
-length, as SGLang's does, and --output-file keeps the server's own counts too). Datasets: `random-ids` draws prompts from the vocabulary's ordinary
-tokens; `random` draws windows of ShareGPT prompt tokens when --dataset-path is given, else acts
-as random-ids (nothing is downloaded); `sharegpt` uses a local ShareGPT JSON's first turns.
+length, as SGLang's does, and --output-file keeps the server's own counts too). Datasets:
+`random-ids` draws prompts from the vocabulary's ordinary tokens; `random` draws windows of ShareGPT prompt
+tokens when --dataset-path is given, else acts as random-ids (nothing is downloaded); `sharegpt` uses a local
+ShareGPT JSON's first turns.
 Lengths are uniform in [len * --random-range-ratio, len]. Outputs are forced to their length with
 `ignore_eos`. Requests
 arrive as a Poisson process of `--request-rate` per second (all at once when inf), at most
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer path; default: the served model's path as /get_model_info or /v1/models reports it")
     p.add_argument("--dataset-name", choices=("random", "random-ids", "sharegpt"), default="random")
-    p.add_argument("--dataset-path", default=None, help="local ShareGPT JSON (sharegpt; random draws its tokens from it)")
+    p.add_argument("--dataset-path", default=None,
+                   help="local ShareGPT JSON (sharegpt; random draws its tokens from it)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for sharegpt prompts")
     p.add_argument("--sharegpt-context-len", type=int, default=None, help="skip sharegpt pairs longer than this")
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send random prompts as text even where the API takes token ids")
     p.add_argument("--tokenize-prompt", action="store_true",
                    help="accepted for SGLang compatibility: token ids are already sent where the API takes them")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals; inf = all at once")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests first (output length <= 32)")
     p.add_argument("--seed", type=int, default=1)

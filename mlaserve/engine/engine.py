@@ -203,7 +203,8 @@ class Engine:
 
         outputs = []
         for r in reqs:
-            ready_prompt_lp = r.params.prompt_logprobs and not r.prompt_logprobs_reported and not r.wants_prompt_logprobs
+            ready_prompt_lp = (r.params.prompt_logprobs and not r.prompt_logprobs_reported
+                               and not r.wants_prompt_logprobs)
             if r.pending_token_ids or r.is_finished or ready_prompt_lp:
                 outputs.append(r.take_output())
         return outputs

@@ -69,7 +69,8 @@ class TPWorkers:
     @classmethod
     def start(cls, config: EngineConfig) -> "TPWorkers":
         if config.model_path is None:
-            raise ValueError("tensor parallelism (tp_size > 1) needs EngineConfig.model_path: each rank loads its shard")
+            raise ValueError("tensor parallelism (tp_size > 1) needs EngineConfig.model_path: "
+                             "each rank loads its shard")
         ctx = torch.multiprocessing.get_context("spawn")
         port = _free_port()
         procs, conns = [], []

@@ -193,8 +193,8 @@ def _mlp(linear, writes_residual, prefix: str, hidden: int, inter: int) -> None:
 
 
 def _token_bias() -> torch.Tensor:
-    """[vocab] logit bias read through the constant channel: lower-case letters and spaces first, capitals next, then other
-    printable ASCII; other bytes and the special tokens unlikely; EOS just below the letters, so
+    """[vocab] logit bias read through the constant channel: lower-case letters and spaces first, capitals next,
+    then other printable ASCII; other bytes and the special tokens unlikely; EOS just below the letters, so
     that answers end on their own after some tens of tokens."""
     bias = torch.full((CONFIG["vocab_size"],), -12.0)
     for b in range(32, 127):

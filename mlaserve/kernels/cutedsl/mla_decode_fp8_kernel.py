@@ -192,8 +192,8 @@ class MLADecodeFP8Sm90:
             cute.arch.setmaxregister_decrease(HALF_RING_LOADER_REGS if self.half_ring else LOADER_REGS)
             fp8_loader(tidx, warp_idx, tma_q, mQ_tma, sQ, q_pipe, m_block, TILE_M, tma_raw, mRaw_tma, sRaw,
                        tma_pe, mPE_tma, sPE, raw_pipe, storage.sRaw.data_ptr().toint(),
-                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen, start,
-                       raw_pe=not self.half_ring, release_every=RELEASE_EVERY,
+                       storage.sKV.data_ptr().toint(), kv_full, kv_empty, mBT, batch, first_page, n_tiles, seqlen,
+                       start, raw_pe=not self.half_ring, release_every=RELEASE_EVERY,
                        raw_stages=1 if self.half_ring else RAW_STAGES, half_ring=self.half_ring)
         else:
             # ---------------- consumers (the bf16 kernel's math; K/V from the bf16 tile and the raw stage) --------

@@ -46,9 +46,9 @@ the SMs): one CTA, or cluster, per SM, each taking work items (a request's row t
 until none is left, instead of a grid of one CTA per item. The first item of cluster c is item c; then CTA
 0's producer draws tickets from a global counter (the last cluster to finish zeroes it again) and hands
 each to the cluster's other CTAs over a one-slot smem channel; every producer hands its items to its
-consumers through a 2-slot item pipe (ticket_scheduler.py). The KV ring, the seesaw's ownership (tile g + t of an item whose CTA
-ran g tiles before; with KV_SPLIT, whose S follows its owner's order, g is made even by a pad tile, _pad_tile)
-and the barriers run on across items; Q is released after the item's last S, so the
+consumers through a 2-slot item pipe (ticket_scheduler.py). The KV ring, the seesaw's ownership (tile
+g + t of an item whose CTA ran g tiles before; with KV_SPLIT, whose S follows its owner's order, g is made
+even by a pad tile, _pad_tile) and the barriers run on across items; Q is released after the item's last S, so the
 next item's Q and first pages load while this one's last P V and epilogue run (in a grid, each SM waits for
 a CTA to exit before the next one starts loading). Against the grid on the H200 (bench/NOTES.md items 47, 50):
 2.3% faster in the geometric mean of 13 shapes of 128-256 rows a request, from +9.6% to -3.6%. Requests are

@@ -143,8 +143,9 @@ def _fold_partial(acc_o: cute.Tensor, cur: cute.Tensor, mWS: cute.Tensor, entry:
     lse), or replaced by it where `first`. The entry holds this thread's values where it keeps them in acc_o
     (_store_partial of the same thread of another piece), read in 16-byte loads after the weights are known, so
     that each is folded as it arrives and its registers are free for the next. Plain loads (ld.global.cg, a
-    strong load, issued one after another: ~20 us a merge at the end of every slot on the H200): the entry is this CTA's own (its stores passed through L1) or was flagged ready
-    to an acquire load, whose L1 invalidation (CCTL.IVALL) keeps stale lines of an earlier launch out."""
+    strong load, issued one after another: ~20 us a merge at the end of every slot on the H200): the entry is
+    this CTA's own (its stores passed through L1) or was flagged ready to an acquire load, whose L1 invalidation
+    (CCTL.IVALL) keeps stale lines of an earlier launch out."""
     lse_base = _lse_at(n_slots, entry, cluster)
     ca = cute.make_rmem_tensor(2, Float32)
     cb = cute.make_rmem_tensor(2, Float32)

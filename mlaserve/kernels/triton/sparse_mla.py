@@ -61,8 +61,9 @@ class SparseMLAConfig:
             raise ValueError(f"num_stages and num_splits must be >= 1, got {self.num_stages}, {self.num_splits}")
 
 
-# Measured best configs on the H200 (2026-11-30, bench/results/tune-sparse-h200-2026-11-30.json), keyed by (kv kind, "prefill"|"decode", h); filled from
-# scripts/tune_sparse.py. Missing keys fall back to the rules in `default_config`.
+# Measured best configs on the H200 (2026-11-30, bench/results/tune-sparse-h200-2026-11-30.json), keyed by
+# (kv kind, "prefill"|"decode", h); filled from scripts/tune_sparse.py. Missing keys fall back to the rules in
+# `default_config`.
 TUNED: dict[tuple[str, str, int], dict] = {
     ("bf16", "prefill", 128): {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
     ("bf16", "prefill", 64): {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
