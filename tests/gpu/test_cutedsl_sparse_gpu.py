@@ -74,21 +74,26 @@ def test_fp8_half_ring_gives_the_same_bits(monkeypatch, case):
     assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_HALF_RING changed the bits"
 
 
-@pytest.mark.parametrize("b, s_q, h, topk, s_kv, num_splits, q_gain", [
-    (4, 2, 128, 2048, 4096, None, 4.0),   # logits 4x as wide: maxima rise by > 2^8 after the first tile (slow path)
-    (4, 1, 16, 2048, 4096, None, 1.0),    # 16 heads padded to a 64-row block
-    (3, 2, 32, 100, 300, None, 4.0),      # ragged top-k, -1s
-    (2, 3, 64, 1000, 700, None, 1.0),
-    (2, 2, 128, 576, 4096, 16, 4.0),      # 16 splits
+@pytest.mark.parametrize("b, s_q, h, topk, s_kv, num_splits, q_gain, lead", [
+    (4, 2, 128, 2048, 4096, None, 4.0, 0),   # logits 4x as wide: maxima rise by > 2^8 after the first tile
+    (4, 1, 16, 2048, 4096, None, 1.0, 0),    # 16 heads padded to a 64-row block
+    (3, 2, 32, 100, 300, None, 4.0, 0),      # ragged top-k, -1s
+    (2, 3, 64, 1000, 700, None, 1.0, 0),
+    (2, 2, 128, 576, 4096, 16, 4.0, 0),      # 16 splits
+    (2, 1, 64, 256, 4096, None, 1.0, 64),    # the first tile all -1s: no row has a key before tile 1
+    (2, 2, 128, 576, 4096, 4, 1.0, 160),     # split 0's tiles all -1s, split 1's first half too
 ])
-def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, topk, s_kv, num_splits, q_gain):
+def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, topk, s_kv, num_splits, q_gain, lead):
     """sparse_mla.FP8_ONE_BARRIER (the FP8 kernel's consumers meeting once a tile, on P, where no row's max rises by
     more than 2^8; both barriers where one does), on the half ring and on the whole tile: within the reference's
-    tolerances (NaN/0xFF in every slot no index names, -1s, repeats, ragged top-k, splits) and close to the
-    two-barrier kernel (the running max is lazy: the same P up to rounding)."""
+    tolerances (NaN/0xFF in every slot no index names, -1s, repeats, ragged top-k, splits, every token's first
+    `lead` indices -1, so that whole tiles have no key: the fast path before any row's max exists) and close to
+    the two-barrier kernel (the running max is lazy: the same P up to rounding)."""
     q, kv, idx = check.make_fp8_case(b, s_q, h, topk, s_kv, seed=11 * b + h + int(q_gain))
     q = q * q_gain
+    idx[..., :lead] = -1
     ref_out, ref_lse = reference.sparse_mla(q.double(), ops.dequantize_kv_fp8(kv).double(), idx, check.SCALE)
+    monkeypatch.setattr(sp, "FP8_ONE_BARRIER", False)
     out0, lse0 = sp.sparse_mla(q, kv, idx, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(sp, "FP8_ONE_BARRIER", True)
     for half_ring in (True, False):

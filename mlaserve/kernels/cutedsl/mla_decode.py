@@ -222,8 +222,9 @@ FP8_N32_TWO_TILES = True
 FP8_HALF_RING = True
 # The 64-row FP8 kernel's consumers: softmax on one barrier a page where no row's max rises by more than
 # split_consumers.LAZY_RESCALE_LOG2 (split_consumers.one_barrier_p), against the two barriers (maxima, then P) every
-# page. Not the same bits (the running max is lazy); measured on no GPU yet: off
-FP8_ONE_BARRIER = False
+# page. Not the same bits (the running max is lazy). On an H100 (bench/NOTES.md 125; decode_ab, --sustain-ms 20, on
+# the half ring): b128 h128 / h64 4k 1.062 / 1.068x (False: for A/B runs)
+FP8_ONE_BARRIER = True
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile

@@ -53,6 +53,11 @@ frees it (kv_empty + slot, 128 arrivals). Page t + 1's first half goes into the 
 left, so it is converted while page t is still read; only its second half waits for consumer 0's P V(t), and
 consumers issue S(t + 1) over the first half meanwhile. Registers: loader 104, consumers 200 (ptxas: no spills).
 
+The softmax on one barrier a page (MLADecodeFP8Sm90(one_barrier=True), mla_decode.FP8_ONE_BARRIER, the default:
+1.06-1.07x the two barriers on an H100 at b128 h64 / h128 4k, bench/NOTES.md 125): split_consumers.one_barrier_p,
+the pair meeting once a page, on BAR_P, where no row's max rose by more than 2^8; BAR_MAX and then BAR_P only
+where one did. BAR_P also says both consumers' S of the page is done, for the half ring's k_pe refill.
+
 Barriers per page t (stage s = t % 2):
   raw full[s]  (TMA tx 41984 B)                    loader waits, consumers wait (k_pe)
   raw empty[s] 12 warp arrivals: 4 loader warps after dequantizing, 8 consumer warps after S
@@ -221,6 +226,9 @@ class MLADecodeFP8Sm90:
             row_l = cute.make_rmem_tensor(2, Float32)  # this thread's part of the running sum
             alpha = cute.make_rmem_tensor(2, Float32)
             m_base = cute.make_rmem_tensor(2, Float32)
+            # a row with no key yet exponentiates against 0 (move_row_max's rule): one_barrier_p's fast path can
+            # come first, on a tile where every row's keys are masked (a sparse top-k's -1s), before any move
+            m_base.fill(0.0)
             for hr in cutlass.range_constexpr(2):
                 vis[hr] = visible_keys(seqlen, s_q, h, m_block * TILE_M + r0 + 8 * hr, self.causal)
                 row_m[hr] = -Float32.inf

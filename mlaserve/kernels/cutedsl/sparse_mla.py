@@ -46,8 +46,9 @@ LAZY_RESCALE = True
 TREE_MAX = True
 # the FP8 cache's kernel with its bf16 tile as three column-half slots and one raw buffer held in the loader's
 # registers (sparse_mla_fp8_kernel.py, "The half ring"; the dense decode's mla_decode.FP8_HALF_RING, 1.03-1.06x
-# there), against one whole tile and two raw stages. Off until measured on a GPU (bench/NOTES.md 119)
-FP8_HALF_RING = False
+# there), against one whole tile and two raw stages. The same bits. On an H100 (bench/NOTES.md 125; decode_ab,
+# --sustain-ms 20, s_q 1, top-k 2048): b64 h128 / b128 h64 1.062 / 1.004x (False: for A/B runs)
+FP8_HALF_RING = True
 # the FP8 cache's kernel with its consumers' softmax on one barrier a page where no row's max rises by more than 2^8
 # (split_consumers.one_barrier_p; the dense decode's mla_decode.FP8_ONE_BARRIER), against two barriers every page.
 # Not the same bits (the running max is lazy). Off until measured on a GPU (bench/NOTES.md 124)

@@ -40,7 +40,8 @@ freed by the consumer whose P V reads it (kv_empty + slot, 128 arrivals) and han
 bytes and scales have one buffer: each loader thread reads its share into 80 registers (fp8_dequant.load_raw_page),
 the four warps meet on BAR_LOADER, and tile t + 1 is gathered into the buffer while tile t is converted. The
 pipeline's two stages are then k_pe's two buffers (the consumers still free a stage after S). Smem: Q 73728 + slots
-98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers: loader 112, consumers 192.
+98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers: loader 112, consumers 192. The default
+since bench/NOTES.md 125 (H100, s_q 1, top-k 2048: 1.062x at b64 h128, 1.004x at b128 h64).
 
 Barriers per tile t (stage s = t % 2):
   raw full[s]  128 loader arrivals (cp.async noinc)   loader waits (dequantize), consumers wait (k_pe)
@@ -208,6 +209,9 @@ class SparseMLAFP8Sm90:
             r0, row_m, row_l = consumer_rows(ctid)
             alpha = cute.make_rmem_tensor(2, Float32)
             m_base = cute.make_rmem_tensor(2, Float32)
+            # a row with no key yet exponentiates against 0 (move_row_max's rule): one_barrier_p's fast path can
+            # come first, on a tile where every row's keys are masked (a sparse top-k's -1s), before any move
+            m_base.fill(0.0)
 
             wait_q(q_pipe)
             raw_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, RAW_STAGES)
