@@ -232,6 +232,10 @@ FP8_ONE_BARRIER = True
 # 0.958x (b128 h16 s_k 2048; b8 h16 32k's 32-page splits 1.006x), 16 pages 0.90x (b4 h16 32k), 8 pages 0.80x, hence
 # the bound of 48; b16 h16 32k (64-page splits) 1.075x
 FP8_MMA = True
+# FP8 KV at <= 32 rows: the keys-on-M kernel that turns each page's e4m3 bytes into f16 in the consumers' registers
+# and multiplies them there with f16 wgmma (mla_decode_fp8_f16_kernel.py; no bf16 tile in smem, no hi / lo parts),
+# in place of the FP8-MMA and bf16-tile kernels. Not yet run on a GPU (bench/NOTES.md 126): off
+FP8_F16 = False
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -387,6 +391,11 @@ def uses_fp8_mma(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bo
             and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
+def uses_fp8_f16(kv_fp8: bool, rows: int) -> bool:
+    """Whether a step takes the f16-register FP8 kernel (FP8_F16): FP8 KV at <= 32 query rows a request."""
+    return FP8_F16 and kv_fp8 and fp8_narrow_cols(rows) > 0
+
+
 def kv_ring(rows: int) -> tuple[int, bool, int]:
     """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring, pages
     prefetched ahead into L2)."""
@@ -398,13 +407,14 @@ def kv_ring(rows: int) -> tuple[int, bool, int]:
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
             streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False,
-            rows: int = TILE_M):
+            rows: int = TILE_M, fp8_f16: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
     `ordered` (grid launches): the grid's request axis through an order of the requests.
     `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it).
-    `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring)."""
+    `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8, narrow): the
+    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -430,6 +440,11 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
         key += ("fp8-mma",)
+    if fp8_f16:
+        if not (kv_fp8 and narrow) or fp8_mma:
+            raise ValueError(f"the FP8 f16 kernel takes FP8 KV at 16 or 32 rows, got kv_fp8={kv_fp8}, "
+                             f"narrow={narrow}, fp8_mma={fp8_mma}")
+        key += ("fp8-f16",)
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -449,7 +464,11 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         # compile-time stand-ins: only the pointers' types and alignments matter
         scalars = (*(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cuda.CUstream(0))
         t0 = time.perf_counter()
-        if fp8_mma:
+        if fp8_f16:
+            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
+            fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered),
+                              *_fp8_pointers((None,) * 8, ordered, split), *scalars)
+        elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
             fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD,
                                                           vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL,
@@ -578,10 +597,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     lse_slot = order if order is not None and split else lse
     po_slot = order if order is not None and not split else po
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse_slot, po_slot, pl)]
+    f16_kernel = uses_fp8_f16(kv_fp8, s_q * h)
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
-                 uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits), s_q * h)
+                 uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits) and not f16_kernel, s_q * h,
+                 f16_kernel)
     fn(*(_fp8_pointers(addresses, order is not None, split) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk, order is not None, split)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),

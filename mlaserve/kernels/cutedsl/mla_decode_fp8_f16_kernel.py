@@ -1,0 +1,592 @@
+"""The Hopper (sm_90a) MLA decode over the FP8 656-byte KV format for requests of at most 32 query rows
+(h 16 / h 32 with s_q 1, h 16 with s_q 2), keys on wgmma's M side, each page's e4m3 bytes turned into f16 in
+the consumers' registers and multiplied there: no bf16 tile in shared memory, no hi / lo parts.
+
+    S^T [64 keys, N] = K [64, 512] (Q * 2^a)^T + K_pe (Q_pe * 2^a)^T
+        K as f16 register A: ldmatrix of the e4m3 boxes (as the 128-byte swizzle puts them), cvt e4m3x2 ->
+        f16x2 and one f16x2 multiply by the row's scale of its 128-column group; B = Q * 2^a in f16 (its
+        largest |value| a row in [128, 256)), its columns permuted as the fragments' (below); K_pe and
+        Q_pe * 2^a (exact in bf16) in bf16 from smem, into the same accumulator.
+    O^T [512, N] += V^T_m P^T per 64-dim tile m
+        V^T_m as f16 register A: ldmatrix .trans of the same boxes (_v_fragment's e4m3 fragment), cvt and one
+        multiply by the keys' scales of the tile's group; B = P^T in f16, its keys permuted likewise.
+
+Against mla_decode_fp8_mma_kernel.py (FP8 wgmma on the bytes): N query rows on N, not 2 N (Q's hi | lo), one
+S^T accumulator, not one per scale group, P once, not four scaled hi / lo parts, and O^T accumulated in
+place, not folded from a fresh product a tile. The cost moves to the conversions: ~5 instructions per 4 bytes,
+for K and again for V^T, independent of N, which is what makes 32 rows cost little more than 16.
+Against mla_decode_fp8_narrow_kernel.py (a loader warpgroup dequantizes into a bf16 tile): no tile stores
+and reads through shared memory (~150 KB a page against ~300) and two consumers on alternate pages.
+
+Values: e4m3 -> f16 is exact; e4m3 * scale is rounded once to f16 (11 significant bits, so within half an f16
+ulp of the format's value; products below 2^-24, a scale under ~2^-15 on the smallest e4m3, flush to zero);
+Q * 2^a in f16 keeps bf16 q exactly down to 2^-22 of the row's largest; P in f16.
+
+Fragments (lane = 4 q + c of warp w; the wgmma m64nNk16 f16 A fragment: words (row q, k 2c..2c+1), (row
+q + 8, same), (row q, k 2c + 8..2c + 9), (row q + 8, same)):
+- K: one ldmatrix .x4 (b16) per 32 columns gives the e4m3 A fragment of m64nNk32 (_ldsm_x4's docstring:
+  words (key q, columns 4c..4c + 3), (key q + 8, same), then the same 16 columns on). Each word's low and
+  high byte pairs become the k-step's first and third words: logical column 2c + j (j < 2) of a 16-column
+  step is column 4c + j, and 2c + 8 + j is 4c + 2 + j (Q_PERM). Q is stored in that order.
+- V^T: _v_fragment's word (dim row r, keys 2c, 2c + 8, 2c + 1, 2c + 9 of 16) gives the step's first word
+  (keys 2c, 2c + 8) and its third (2c + 1, 2c + 9): logical key l of a 16-key step is key l with bits 0 and 3
+  swapped. P^T is stored in that order; a thread's keys q and q + 8 land side by side, one 4-byte store.
+
+Warp roles (256 threads): two consumer warpgroups on alternate pages (consumer c: pages t = c mod 2 in stages
+c and c + 2 of 4, which it refills itself), each with its own O^T, maxima and sums, merged at the end
+through consumer 1's stages. A stage holds a page's four e4m3 boxes (32 KB), its scales [64, 4] fp32 and k_pe
+(8 KB). Smem at N 32: stages 4 x 41 KB + Q 36 KB + P^T 2 x 4 KB + the V scales' table 4 KB = 214 KB.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N, fp8_io_tensors
+from mlaserve.kernels.cutedsl.keys_on_m import (
+    col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, store_lse, take_column_max)
+from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
+    _bf16x2_to_f32, _ld_global_v4_b32, _load_page, _pow2_scale, _prmt, _st_global_pair, _st_shared_words,
+    _v_dim, _v_fragment, _zero_rows)
+from mlaserve.kernels.cutedsl.mla_decode_kernel import (
+    first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
+
+STAGES = 4            # consumer c owns stages c and c + 2
+THREADS = 256
+CONSUMER_THREADS = 128
+WARPS = 4
+GROUPS = 4            # scale groups of 128 columns
+M_TILES = D_V // 64
+HALF_TILES = M_TILES // 2  # consumer 1's O^T tiles in each of its two stages at the merge
+K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
+CHUNK = 2             # K blocks converted a wgmma group (4 k-steps, 16 registers; two such buffers)
+BAR_Q = 1             # both consumers: Q stored
+BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
+BAR_RED = 3           # + 2 c: consumer c's 4 warps: column maxima (then sums); a page's stage read
+BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
+KV_BYTES = TILE_N * D_V
+SCALE_BYTES = TILE_N * GROUPS * 4
+VS_WORDS = GROUPS * 4 * 8  # the V scales' table a page: group, lane % 4, 8 f16x2 words
+# Q_PERM[l]: the column of a 16-column k-step that logical column l of the K fragments holds
+Q_PERM = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
+
+
+class MLADecodeFP8F16Sm90:
+    """Compiled per (causal, split, n); q, out bf16. Launched by mla_decode.py through `__call__`, with the
+    arguments of MLADecodeFP8Sm90 (s_q * h <= n, n 16 or 32)."""
+
+    def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False):
+        if n not in (16, 32):
+            raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows a CTA, got n={n}")
+        self.dtype = cutlass.BFloat16
+        self.causal = causal
+        self.is_split = is_split
+        self.n = n
+        self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
+                 seqlens_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, po_ptr: cute.Pointer,
+                 pl_ptr: cute.Pointer, batch: Int32, s_q: Int32, h: Int32, num_pages: Int32, max_pages: Int32,
+                 num_splits: Int32, scale_log2: Float32, stream):
+        n = self.n
+        rows = s_q * h
+        n_rows = num_pages * TILE_N
+        f8 = cutlass.Float8E4M3FN
+        f16 = cutlass.Float16
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
+        mKV = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=f8),
+                               cute.make_layout((n_rows, D_V), stride=(ROW_WORDS * 4, 1)))
+        mSc = cute.make_tensor(cute.recast_ptr(kv_ptr + D_V // 4, dtype=Float32),
+                               cute.make_layout((n_rows, GROUPS), stride=(ROW_WORDS, 1)))
+        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+        mBT, mSeqlens, mOut, mLse, mPO, mPL = fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
+                                                             batch, rows, max_pages, num_splits)
+        if const_expr(self.ordered):
+            mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
+
+        atom8 = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, D_V), f8)
+        atom16 = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_PE), self.dtype)
+        atomh = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f16, D_V), f16)
+        sK_layout = cute.tile_to_shape(atom8, (TILE_N, D_V, STAGES), order=(0, 1, 2))
+        sQ_layout = cute.tile_to_shape(atomh, (n, D_V), order=(0, 1))
+        sPt_layout = cute.tile_to_shape(atomh, (n, TILE_N, 2), order=(0, 1, 2))
+        sPE_layout = cute.tile_to_shape(atom16, (TILE_N, D_PE, STAGES), order=(0, 1, 2))
+        sQpe_layout = cute.tile_to_shape(atom16, (n, D_PE), order=(0, 1))
+        sSc_layout = cute.make_layout((TILE_N, GROUPS, STAGES), stride=(GROUPS, 1, TILE_N * GROUPS))
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(tma_op, mKV, cute.slice_(sK_layout, (None, None, 0)),
+                                                      (TILE_N, D_V))
+        tma_sc, mSc_tma = cpasync.make_tiled_tma_atom(tma_op, mSc, cute.slice_(sSc_layout, (None, None, 0)),
+                                                      (TILE_N, GROUPS))
+        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)),
+                                                      (TILE_N, D_PE))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            f16, f16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, n),
+            a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_pe = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (64, n))
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sK_layout)], 1024]
+            sPE: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPE_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(sQ_layout)], 1024]
+            sPt: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(sPt_layout)], 1024]
+            sQpe: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQpe_layout)], 1024]
+            sSc: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sSc_layout)], 128]
+            vsc: cute.struct.Align[cute.struct.MemRange[Int32, 2 * 2 * VS_WORDS], 16]
+            full: cute.struct.MemRange[cutlass.Int64, STAGES]
+            inv2a: cute.struct.MemRange[Float32, n]
+            red: cute.struct.MemRange[Float32, 2 * 2 * WARPS * n]
+
+        self.shared_storage = SharedStorage
+        self.kernel(mQ, tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
+                    s_q, h, rows, num_splits, scale_log2, sK_layout, sPE_layout, sQ_layout, sPt_layout,
+                    sQpe_layout, sSc_layout, tiled_mma_qk, tiled_mma_pe).launch(
+            grid=(1, num_splits, batch), block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom,
+               mSc_tma: cute.Tensor, tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, mBT: cute.Tensor,
+               mSeqlens: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor,
+               s_q: Int32, h: Int32, rows: Int32, num_splits: Int32, scale_log2: Float32,
+               sK_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
+               sPt_layout: cute.ComposedLayout, sQpe_layout: cute.ComposedLayout, sSc_layout: cute.Layout,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pe: cute.TiledMma):
+        n = self.n
+        tidx, _, _ = cute.arch.thread_idx()
+        _, split, batch = cute.arch.block_idx()
+        batch = grid_request(batch, mLse, mPO, self.ordered, self.is_split)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        c = warp_idx // WARPS
+        ctid = tidx - CONSUMER_THREADS * c
+        warp = warp_idx % WARPS
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full = storage.full.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(full + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
+        sQpe = storage.sQpe.get_tensor(sQpe_layout.outer, swizzle=sQpe_layout.inner)
+        sSc = storage.sSc.get_tensor(sSc_layout)
+        sInv = storage.inv2a.get_tensor(cute.make_layout(n))
+        sRed = storage.red.get_tensor(cute.make_layout((n, WARPS, 2, 2),
+                                                       stride=(1, n, WARPS * n, 2 * WARPS * n)))
+        k_base = storage.sK.data_ptr().toint()
+        vs_base = storage.vsc.data_ptr().toint() + c * (2 * VS_WORDS * 4)
+
+        seqlen = mSeqlens[batch]
+        start, n_tiles = page_split(seqlen, split, num_splits)
+        first_page = start // TILE_N
+
+        gKV = cute.local_tile(mKV_tma, (TILE_N, D_V), (None, 0))          # [64, 512, pages]
+        gSc = cute.local_tile(mSc_tma, (TILE_N, GROUPS), (None, 0))       # [64, 4, pages]
+        gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))         # [64, 64, pages]
+        tKs, tKg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                         cute.group_modes(gKV, 0, 2))
+        tSs, tSg = cpasync.tma_partition(tma_sc, 0, cute.make_layout(1), cute.group_modes(sSc, 0, 2),
+                                         cute.group_modes(gSc, 0, 2))
+        tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                         cute.group_modes(gPE, 0, 2))
+        if warp == 0:
+            if c == 0:
+                cpasync.prefetch_descriptor(tma_kv)
+                cpasync.prefetch_descriptor(tma_sc)
+                cpasync.prefetch_descriptor(tma_pe)
+            for p in cutlass.range_constexpr(STAGES // 2):
+                if c + 2 * p < n_tiles:
+                    _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                               mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+
+        # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers --
+        _store_q_f16(mQ.iterator.toint(), batch, rows, tidx, n, storage.sQ.data_ptr().toint(),
+                     storage.sQpe.data_ptr().toint(), sInv)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
+
+        thr_qk = tiled_mma_qk.get_slice(ctid)
+        thr_pe = tiled_mma_pe.get_slice(ctid)
+        tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ))                 # [.., 1, 32 k]
+        tSrKpe = tiled_mma_pe.make_fragment_A(thr_pe.partition_A(sPE))             # [.., 1, 4 k, stages]
+        tSrQpe = tiled_mma_pe.make_fragment_B(thr_pe.partition_B(sQpe))            # [.., 1, 4 k]
+        tOrP = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sPt))                # [.., 1, 4 k, 2]
+        acc_s = cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, n)), Float32)
+        acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, n)), Float32) for _ in range(M_TILES)]
+        for m in cutlass.range_constexpr(M_TILES):
+            acc_o[m].fill(0.0)
+        frag_k = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 32 * CHUNK))) for _ in range(2)]
+        frag_v = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((64, TILE_N))) for _ in range(2)]
+        tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, n)))
+
+        q = lane // 4
+        k0 = warp * 16 + q
+        slots = n // 4
+        cols = columns(lane, n)
+        # P^T's pair stores: keys k0, k0 + 8 at logical K positions 16 w + p, + 1 (p = q, or q + 7 for odd q: the
+        # V^T fragments' key order, module docstring) of row cols[s], 128-byte swizzle (16-byte chunk j of a
+        # row at j ^ (row % 8))
+        p_pos = q + 7 * (q % 2)
+        p_addr = cute.make_rmem_tensor(slots, Int32)
+        for s in cutlass.range_constexpr(slots):
+            p_addr[s] = (storage.sPt.data_ptr().toint() + c * (n * TILE_N * 2) + (cols[s] // 8) * 1024
+                         + (cols[s] % 8) * 128 + ((2 * warp + p_pos // 8) ^ (cols[s] % 8)) * 16 + (p_pos % 8) * 2)
+        vis = cute.make_rmem_tensor(slots, Int32)
+        col_m = cute.make_rmem_tensor(slots, Float32)
+        m_prev = cute.make_rmem_tensor(slots, Float32)
+        col_l = cute.make_rmem_tensor(slots, Float32)
+        alpha = cute.make_rmem_tensor(slots, Float32)
+        m_base = cute.make_rmem_tensor(slots, Float32)
+        fac = cute.make_rmem_tensor(slots, Float32)
+        ks = cute.make_rmem_tensor((2, GROUPS), Int32)
+        for s in cutlass.range_constexpr(slots):
+            vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
+            col_m[s] = -Float32.inf
+            col_l[s] = 0.0
+            m_base[s] = 0.0
+            fac[s] = sInv[cols[s]] * scale_log2
+        min_vis = first_masked_key(seqlen, s_q, self.causal)
+        bar_red = BAR_RED + 2 * c
+        bar_p = BAR_P + 2 * c
+        # the ldmatrix rows of K: lane l reads key 16 w + l % 8 + 8 ((l // 8) % 2), its 16-byte chunk l // 16 of
+        # each pair of the block
+        k_key = warp * 16 + lane % 8 + 8 * ((lane // 8) % 2)
+        k_row = k_key * 128
+        k_half = lane // 16
+        # the V scales' table: this thread builds word (g, c4, j) of its consumer's table a page, and reads the
+        # 8 words of lane % 4 for a group
+        vb_g = ctid // 32
+        vb_c = (ctid // 8) % 4
+        vb_j = ctid % 8
+        vb_key = 32 * (vb_j // 4) + 16 * ((vb_j // 2) % 2) + 2 * vb_c + vb_j % 2
+
+        next_page = Int32(0)
+        if warp == 0 and c + STAGES < n_tiles:
+            next_page = mBT[batch, first_page + c + STAGES]
+        for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
+            t = c + 2 * u
+            st = t % STAGES
+            tok0 = start + t * TILE_N
+            valid = seqlen - tok0
+            later_page = Int32(0)
+            if warp == 0 and t + 2 + STAGES < n_tiles:
+                later_page = mBT[batch, first_page + t + 2 + STAGES]
+            cute.arch.mbarrier_wait(full + st, (t // STAGES) % 2)
+            stage_base = k_base + st * KV_BYTES
+            if valid < TILE_N:
+                # e4m3 0xFF is NaN and 0 * NaN is NaN: the rows past the request become zeros before any MMA
+                _zero_rows(stage_base, valid, ctid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+            # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
+            for hr in cutlass.range_constexpr(2):
+                keep = k0 + 8 * hr < valid
+                for g in cutlass.range_constexpr(GROUPS):
+                    v = sSc[k0 + 8 * hr, g, st]
+                    if not keep:
+                        v = Float32(0.0)
+                    ks[hr, g] = _f16x2(v, v)
+            sa = sSc[vb_key, vb_g, st]
+            sb = sSc[vb_key + 8, vb_g, st]
+            if vb_key >= valid:
+                sa = Float32(0.0)
+            if vb_key + 8 >= valid:
+                sb = Float32(0.0)
+            vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
+            _st_shared_b32(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, _f16x2(sa, sb))
+            # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
+            warpgroup.fence()
+            atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
+            for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
+                atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
+                cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
+            warpgroup.commit_group()
+            atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
+            atom_qk.set(warpgroup.Field.ACCUMULATE, True)
+            for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
+                buf = cute.recast_tensor(frag_k[j % 2], Int32)
+                if const_expr(j >= 2):
+                    warpgroup.wait_group(1)     # group j - 2 (the last reader of this buffer) is done
+                for b in cutlass.range_constexpr(CHUNK):
+                    blk = CHUNK * j + b
+                    chunk = 2 * (blk % 4) + k_half
+                    w = _ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
+                    g = blk // 4
+                    for st2 in cutlass.range_constexpr(2):
+                        lo0, hi0 = _e4m3x4_to_f16(w[2 * st2], ks[0, g], ks[0, g])
+                        lo1, hi1 = _e4m3x4_to_f16(w[2 * st2 + 1], ks[1, g], ks[1, g])
+                        kk = 2 * b + st2
+                        buf[4 * kk + 0] = lo0
+                        buf[4 * kk + 1] = lo1
+                        buf[4 * kk + 2] = hi0
+                        buf[4 * kk + 3] = hi1
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(2 * CHUNK):
+                    cute.gemm(atom_qk, acc_s, frag_k[j % 2][None, None, kk], tSrQ[None, None, 2 * CHUNK * j + kk],
+                              acc_s)
+                warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
+            mask_keys(acc_s, tok0, k0, vis, min_vis, n)
+            # -- column maxima: own rows, the warp, then the 4 warps --
+            publish_column_max(acc_s, cols, lane, warp, sRed, (u % 2, c))
+            cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+            for s in cutlass.range_constexpr(slots):
+                m_prev[s] = col_m[s]
+            take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
+            exp_columns(acc_s, m_base, col_l, n)
+            # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
+            for s in cutlass.range_constexpr(slots):
+                i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
+                _st_shared_b32(p_addr[s], _f16x2(acc_s[i], acc_s[i + 2]))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+            # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
+            # and every warp sees the same maxima) --
+            moved = col_m[0] != m_prev[0]
+            for s in cutlass.range_constexpr(1, slots):
+                moved = moved | (col_m[s] != m_prev[s])
+            if cute.arch.vote_any_sync(moved):
+                for m in cutlass.range_constexpr(M_TILES):
+                    for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+            vsw = cute.make_rmem_tensor(8, Int32)
+            for m in cutlass.range_constexpr(M_TILES):
+                if const_expr(m % 2 == 0):
+                    vs_row = vs_page + ((m // 2) * 4 + lane % 4) * 32
+                    for e in cutlass.range_constexpr(2):
+                        wv = _ld_shared_v4(vs_row + 16 * e)
+                        for x in cutlass.range_constexpr(4):
+                            vsw[4 * e + x] = wv[x]
+                raw = cute.make_rmem_tensor(8, Int32)
+                _v_fragment(raw, stage_base, warp, lane, m)
+                vbuf = cute.recast_tensor(frag_v[m % 2], Int32)
+                if const_expr(m >= 2):
+                    warpgroup.wait_group(1)     # tile m - 2's product (the last reader of this buffer) is done
+                for k in cutlass.range_constexpr(TILE_N // 32):
+                    for hf in cutlass.range_constexpr(2):
+                        # the e4m3 words of keys 32 k + 16 hf + (2c, 2c + 8, 2c + 1, 2c + 9), rows r and r + 8
+                        lo0, hi0 = _e4m3x4_to_f16(raw[4 * k + 2 * hf], vsw[4 * k + 2 * hf], vsw[4 * k + 2 * hf + 1])
+                        lo1, hi1 = _e4m3x4_to_f16(raw[4 * k + 2 * hf + 1], vsw[4 * k + 2 * hf],
+                                                  vsw[4 * k + 2 * hf + 1])
+                        kk = 2 * k + hf
+                        vbuf[4 * kk + 0] = lo0
+                        vbuf[4 * kk + 1] = lo1
+                        vbuf[4 * kk + 2] = hi0
+                        vbuf[4 * kk + 3] = hi1
+                if const_expr(m == M_TILES - 1):
+                    # the stage's last ldmatrix is done: refill it with page t + 4 before the last products
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+                    if warp == 0 and t + STAGES < n_tiles:
+                        _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(TILE_N // 16):
+                    cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
+                warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            next_page = later_page
+
+        # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
+        vals = cute.size(acc_o[0])
+        merge = [cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32),
+                                  cute.make_layout((CONSUMER_THREADS, HALF_TILES * vals), stride=(1, CONSUMER_THREADS)))
+                 for p in range(2)]
+        merge_ml = cute.make_tensor(cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32),
+                                    cute.make_layout((CONSUMER_THREADS, 2 * slots), stride=(1, CONSUMER_THREADS)))
+        if c == 1:
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(vals):
+                    merge[m // HALF_TILES][ctid, (m % HALF_TILES) * vals + i] = acc_o[m][i]
+            for s in cutlass.range_constexpr(slots):
+                merge_ml[ctid, s] = col_m[s]
+                merge_ml[ctid, slots + s] = col_l[s]
+            cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+        else:
+            cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+            a0 = cute.make_rmem_tensor(slots, Float32)
+            a1 = cute.make_rmem_tensor(slots, Float32)
+            for s in cutlass.range_constexpr(slots):
+                m1 = merge_ml[ctid, s]
+                mm = cute.arch.fmax(col_m[s], m1)
+                m_safe = mm
+                if mm == -Float32.inf:
+                    m_safe = 0.0
+                a0[s] = cute.arch.exp2(col_m[s] - m_safe)
+                a1[s] = cute.arch.exp2(m1 - m_safe)
+                col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
+                col_m[s] = mm
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(vals):
+                    acc_o[m][i] = (acc_o[m][i] * a0[col_slot(i, n)]
+                                   + merge[m // HALF_TILES][ctid, (m % HALF_TILES) * vals + i] * a1[col_slot(i, n)])
+
+            # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
+            par = (n_tiles + 1) // 2 % 2
+            inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
+            # values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; _v_dim): one 4-byte (bf16) or
+            # 8-byte (fp32 partials) store a pair
+            out_base = mPO.iterator.toint() if const_expr(self.is_split) else mOut.iterator.toint()
+            row0 = batch * rows
+            if const_expr(self.is_split):
+                row0 = (batch * mPO.shape[1] + split) * rows
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(vals):
+                    if const_expr(i % 4 < 2):
+                        r = tOcO[i][1]
+                        d = 64 * m + _v_dim(tOcO[i][0])
+                        if r < rows:
+                            f = inv_l[col_slot(i, n)]
+                            at = cutlass.Int64((row0 + r) * D_V + d) * (4 if self.is_split else 2)
+                            _st_global_pair(out_base + at, acc_o[m][i] * f, acc_o[m][i + 2] * f,
+                                            bf16=not self.is_split)
+            store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
+
+
+@cute.jit
+def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int],
+                 q_base_s: Int32, qpe_base: Int32, sInv: cute.Tensor):
+    """Q * 2^a into sQ [n, 512] f16 (128-byte swizzle: 64-column boxes of n rows, n * 128 bytes apart; 16-byte
+    chunk j of a row at j ^ (row % 8)), each 16-column group's columns in Q_PERM's order; Q_pe * 2^a into sQpe
+    [n, 64] bf16 likewise; 2^-a into sInv. a per query row r: its largest |q_nope| in [2^7, 2^8) (_pow2_scale).
+    256 / n threads a row; thread `part` takes the row's 16-column groups part + (256 / n) j, and parts < 8 the
+    rope chunk part. Rows past `rows` are zeros."""
+    per_row = THREADS // n
+    groups = (D_V // 16) // per_row
+    r = tidx // per_row
+    part = tidx % per_row
+    rr = r
+    if r >= rows:
+        rr = 0
+    row_addr = q_base + cutlass.Int64(batch * rows + rr) * (D_QK * 2)
+    words = cute.make_rmem_tensor(8 * groups, Int32)
+    for j in cutlass.range_constexpr(groups):
+        col = 16 * (part + per_row * j)
+        for e in cutlass.range_constexpr(2):
+            w = _ld_global_v4_b32(row_addr + (col + 8 * e) * 2)
+            for x in cutlass.range_constexpr(4):
+                words[8 * j + 4 * e + x] = w[x]
+    pe = cute.make_rmem_tensor(4, Int32)
+    pe.fill(0)
+    if part < D_PE // 8:
+        w = _ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
+        for x in cutlass.range_constexpr(4):
+            pe[x] = w[x]
+    if r >= rows:
+        words.fill(0)
+        pe.fill(0)
+    amax = Float32(0.0)
+    for e in cutlass.range_constexpr(8 * groups):
+        lo, hi = _bf16x2_to_f32(words[e])
+        amax = cute.arch.fmax(amax, cute.arch.fmax(cute.arch.fmax(lo, -lo), cute.arch.fmax(hi, -hi)))
+    for off in (1, 2, 4, 8, 16):
+        if const_expr(off < per_row):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
+    scale = _pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
+    for j in cutlass.range_constexpr(groups):
+        g16 = part + per_row * j
+        # the group's 8 words (column pairs 0..7) scaled into f16x2; logical word L holds pair 2 L (L < 4),
+        # else pair 2 (L - 4) + 1 (Q_PERM)
+        hw = [_scaled_f16x2(words[8 * j + e], scale) for e in range(8)]
+        box = g16 // 4
+        for half in cutlass.range_constexpr(2):
+            chunk = 2 * (g16 % 4) + half
+            addr = q_base_s + box * (n * 128) + (r // 8) * 1024 + (r % 8) * 128 + ((chunk ^ (r % 8)) * 16)
+            _st_shared_words(addr, [hw[half], hw[2 + half], hw[4 + half], hw[6 + half]])
+    if part == 0:
+        sInv[r] = 1.0 / scale
+    if part < D_PE // 8:
+        pw = [_scaled_bf16x2(pe[e], scale) for e in range(4)]
+        _st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16, pw)
+
+
+def _scaled_f16x2(w: Int32, scale: Float32) -> Int32:
+    """A word's two bf16 times `scale` (a power of 2), as an f16 pair."""
+    lo, hi = _bf16x2_to_f32(w)
+    return _f16x2(lo * scale, hi * scale)
+
+
+def _scaled_bf16x2(w: Int32, scale: Float32) -> Int32:
+    """A word's two bf16 times `scale` (a power of 2: exact), as a bf16 pair."""
+    lo, hi = _bf16x2_to_f32(w)
+    return _bf16x2(lo * scale, hi * scale)
+
+
+@dsl_user_op
+def _ldsm_x4(addr: Int32, *, loc=None, ip=None) -> list:
+    """ldmatrix .x4 (b16, not transposed) from this lane's row address: lane l gets, of matrix i (rows from lanes
+    8 i .. 8 i + 7), row l // 4's 4 bytes 4 (l % 4) .. + 3, as word i."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+                    "st.shared.b32 [$0], $1;", "r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _ld_shared_v4(addr: Int32, *, loc=None, ip=None) -> list:
+    """The 16 bytes at shared address `addr` as 4 words."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _e4m3x4_to_f16(w: Int32, s_lo: Int32, s_hi: Int32, *, loc=None, ip=None) -> tuple:
+    """A word's 4 e4m3 bytes -> (f16x2 of bytes 0, 1 times s_lo, f16x2 of bytes 2, 3 times s_hi): cvt is exact,
+    the multiply rounds once."""
+    pair = llvm.inline_asm(
+        llvm.StructType.get_literal([Int32.mlir_type] * 2),
+        [Int32(w).ir_value(loc=loc, ip=ip), Int32(s_lo).ir_value(loc=loc, ip=ip), Int32(s_hi).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 a, b;\n.reg .b32 x, y;\nmov.b32 {a, b}, $2;\ncvt.rn.f16x2.e4m3x2 x, a;\n"
+        "cvt.rn.f16x2.e4m3x2 y, b;\nmul.rn.f16x2 $0, x, $3;\nmul.rn.f16x2 $1, y, $4;\n}\n",
+        "=r,=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return (Int32(llvm.extractvalue(Int32.mlir_type, pair, [0], loc=loc, ip=ip)),
+            Int32(llvm.extractvalue(Int32.mlir_type, pair, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def _f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """(lo, hi) rounded to an f16 pair, lo in bits 0..15."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """(lo, hi) rounded to a bf16 pair, lo in bits 0..15."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
