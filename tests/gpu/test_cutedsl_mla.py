@@ -527,7 +527,9 @@ def test_fp8_matches_reference(case):
 
 
 def _fp8_mma_for_every_split(monkeypatch):
-    """The FP8-MMA kernel for every FP8 step of <= 16 rows, however short its splits (mla_decode.uses_fp8_mma)."""
+    """The FP8-MMA kernel for every FP8 step of <= 16 rows, however short its splits (mla_decode.uses_fp8_mma), and
+    not the f16-register kernel that takes the long ones by default (FP8_F16)."""
+    monkeypatch.setattr(cd, "FP8_F16", False)
     monkeypatch.setattr(cd, "uses_fp8_mma", lambda kv_fp8, rows, max_pages, num_splits:
                         kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
 
@@ -626,3 +628,31 @@ def test_traced_stream_k_launch_records_every_piece(monkeypatch):
     assert len(written) == 2 * n_pieces
     assert ((written[:, 2] - written[:, 1]) % (1 << 32) > 0).all()
 
+
+
+@pytest.mark.parametrize("lens, s_q, h, causal, num_splits", [
+    ([1, 63, 64, 4096], 1, 16, True, None),
+    ([1, 63, 64, 4096], 1, 32, True, None),
+    ([2, 65, 1000, 129], 2, 16, True, None),       # 32 rows, causal among the new tokens
+    ([777], 3, 5, True, None),                     # 15 rows, odd heads
+    ([777, 3], 1, 20, True, None),                 # 20 rows padded to 32
+    ([5, 300, 64, 1], 1, 32, False, None),
+    ([3000, 17, 64, 2000], 1, 32, True, 4),        # split-KV partials
+    ([0, 1, 2], 2, 8, True, 3),                    # an empty request, splits past the end
+    (_LONG, 1, 32, True, None),
+    ([8192] * 8, 1, 16, True, 1),                  # 128 pages a CTA: every stage reused many times
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
+def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num_splits):
+    """mla_decode.FP8_F16: the <= 32-row kernel that multiplies the pages' e4m3 bytes as f16 in registers, on
+    NaN-poisoned unused slots (0xFF scales and bytes), against the reference on the cache's exact entries, and
+    within rounding of the kernels it replaces."""
+    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 5 * h)
+    monkeypatch.setattr(cd, "FP8_F16", True)
+    monkeypatch.setattr(cd.CONFIG, "fp8_mma_min_pages", 1)    # every split here, however short
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    # the same within rounding as the kernels it would replace
+    monkeypatch.setattr(cd, "FP8_F16", False)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    torch.testing.assert_close(out.float(), out0.float(), rtol=2e-2, atol=2e-2)

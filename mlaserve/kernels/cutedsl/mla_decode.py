@@ -234,8 +234,11 @@ FP8_ONE_BARRIER = True
 FP8_MMA = True
 # FP8 KV at <= 32 rows: the keys-on-M kernel that turns each page's e4m3 bytes into f16 in the consumers' registers
 # and multiplies them there with f16 wgmma (mla_decode_fp8_f16_kernel.py; no bf16 tile in smem, no hi / lo parts),
-# in place of the FP8-MMA and bf16-tile kernels. Not yet run on a GPU (bench/NOTES.md 126): off
-FP8_F16 = False
+# in place of the FP8-MMA and bf16-tile kernels, where each split spans at least CONFIG.fp8_mma_min_pages pages (its
+# Q is built per split, as the FP8-MMA kernel's). On an H100 (bench/NOTES.md 126; decode_ab, --sustain-ms 20): b128
+# h32 8k / 32k 1.064 / 1.127x, h16 s_q2 8k 1.067x, h16 4k / 8k / 32k 1.018 / 1.013 / 1.007x, h32 4k 0.996x, b16 h32
+# / h16 32k 1.026 / 1.018x; with fewer pages a split 0.95-0.99x (b4 h32 32k, b1 h16 32k), which the bound keeps out
+FP8_F16 = True
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -391,9 +394,11 @@ def uses_fp8_mma(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bo
             and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
-def uses_fp8_f16(kv_fp8: bool, rows: int) -> bool:
-    """Whether a step takes the f16-register FP8 kernel (FP8_F16): FP8 KV at <= 32 query rows a request."""
-    return FP8_F16 and kv_fp8 and fp8_narrow_cols(rows) > 0
+def uses_fp8_f16(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bool:
+    """Whether a step takes the f16-register FP8 kernel (FP8_F16): FP8 KV at <= 32 query rows a request, each
+    split spanning at least CONFIG.fp8_mma_min_pages pages (host shapes only, as uses_fp8_mma)."""
+    return (FP8_F16 and kv_fp8 and fp8_narrow_cols(rows) > 0 and CONFIG.fp8_mma_min_pages > 0
+            and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
 def kv_ring(rows: int) -> tuple[int, bool, int]:
@@ -597,7 +602,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     lse_slot = order if order is not None and split else lse
     po_slot = order if order is not None and not split else po
     addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse_slot, po_slot, pl)]
-    f16_kernel = uses_fp8_f16(kv_fp8, s_q * h)
+    f16_kernel = uses_fp8_f16(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits)
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
                  bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
