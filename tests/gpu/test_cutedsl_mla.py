@@ -648,7 +648,8 @@ def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
     within rounding of the kernels it replaces."""
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 5 * h)
     monkeypatch.setattr(cd, "FP8_F16", True)
-    monkeypatch.setattr(cd.CONFIG, "fp8_mma_min_pages", 1)    # every split here, however short
+    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:   # however short the splits
+                        cd.FP8_F16 and kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
     assert ok, f"max abs err {max_err:.2e}: {why}"
