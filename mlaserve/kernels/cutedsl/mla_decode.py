@@ -14,9 +14,10 @@ without host work and can be captured in a CUDA graph. The module exposes the pl
 
 Supported here (anything else raises ValueError naming the values): q bf16/fp16 [b, s_q, h, 576]
 with any s_q and h, KV in q's dtype [pages, 64, 576] or, with bf16 q, the FP8 format uint8
-[pages, 64, 656] (at most 16 query rows a request with splits of >= 48 pages: FP8 wgmma on the e4m3 bytes,
-mla_decode_fp8_mma_kernel.py; else dequantized to bf16 in smem: mla_decode_fp8_narrow_kernel.py, keys on
-wgmma's M side, for requests of at most 32 query rows; mla_decode_fp8_kernel.py for more), head_dim_v 512.
+[pages, 64, 656] (at most 32 query rows a request with splits of >= 48 pages: the bytes turned into f16 in
+registers, mla_decode_fp8_f16_kernel.py, keys on wgmma's M side; shorter splits: FP8 wgmma on the e4m3 bytes
+at <= 16 rows when FP8_F16 is off, mla_decode_fp8_mma_kernel.py, else dequantized to bf16 in smem,
+mla_decode_fp8_narrow_kernel.py; mla_decode_fp8_kernel.py for more rows), head_dim_v 512.
 `nvidia-cutlass-dsl` is imported on the first launch only: checks and plans work without it.
 """
 

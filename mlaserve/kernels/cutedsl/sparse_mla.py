@@ -51,8 +51,9 @@ TREE_MAX = True
 FP8_HALF_RING = True
 # the FP8 cache's kernel with its consumers' softmax on one barrier a page where no row's max rises by more than 2^8
 # (split_consumers.one_barrier_p; the dense decode's mla_decode.FP8_ONE_BARRIER), against two barriers every page.
-# Not the same bits (the running max is lazy). Off until measured on a GPU (bench/NOTES.md 124)
-FP8_ONE_BARRIER = False
+# Not the same bits (the running max is lazy). On an H100 (bench/NOTES.md 127; decode_ab, --sustain-ms 20, on the
+# half ring, top-k 2048): b64 h128 / b128 h64 / b64 h128 s_q2 1.009 / 1.008 / 1.011x (False: for A/B runs)
+FP8_ONE_BARRIER = True
 FP8_ROW_BYTES = 656
 _DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634

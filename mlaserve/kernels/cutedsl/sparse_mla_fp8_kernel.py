@@ -41,7 +41,9 @@ bytes and scales have one buffer: each loader thread reads its share into 80 reg
 the four warps meet on BAR_LOADER, and tile t + 1 is gathered into the buffer while tile t is converted. The
 pipeline's two stages are then k_pe's two buffers (the consumers still free a stage after S). Smem: Q 73728 + slots
 98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers: loader 112, consumers 192. The default
-since bench/NOTES.md 125 (H100, s_q 1, top-k 2048: 1.062x at b64 h128, 1.004x at b128 h64).
+since bench/NOTES.md 125 (H100, s_q 1, top-k 2048: 1.062x at b64 h128, 1.004x at b128 h64). So is the
+consumers' softmax on one barrier a tile (SparseMLAFP8Sm90(one_barrier=True), sparse_mla.FP8_ONE_BARRIER;
+split_consumers.one_barrier_p, as the dense 64-row FP8 kernel's): 1.008-1.011x on the half ring (NOTES 127).
 
 Barriers per tile t (stage s = t % 2):
   raw full[s]  128 loader arrivals (cp.async noinc)   loader waits (dequantize), consumers wait (k_pe)
