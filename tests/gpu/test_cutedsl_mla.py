@@ -629,7 +629,6 @@ def test_traced_stream_k_launch_records_every_piece(monkeypatch):
     assert ((written[:, 2] - written[:, 1]) % (1 << 32) > 0).all()
 
 
-
 @pytest.mark.parametrize("lens, s_q, h, causal, num_splits", [
     ([1, 63, 64, 4096], 1, 16, True, None),
     ([1, 63, 64, 4096], 1, 32, True, None),
@@ -685,10 +684,11 @@ def test_fp8_f16_wide_kernel_matches_reference(monkeypatch, lens, s_q, h, causal
     torch.testing.assert_close(out.float(), out0.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("h", [64, 128])
-def test_fp8_f16_wide_cuda_graph_replay_equals_eager(monkeypatch, h):
-    """A captured step of the wide f16-register kernel replays to eager's bits and meets the reference."""
-    monkeypatch.setattr(cd, "FP8_F16_WIDE", True)
+@pytest.mark.parametrize("h", [16, 32, 64, 128])
+def test_fp8_f16_cuda_graph_replay_equals_eager(monkeypatch, h):
+    """A captured step of the f16-register kernel (narrow at h 16 / 32, wide at h 64 / 128), taken for every
+    split, replays to eager's bits and meets the reference."""
+    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits: kv_fp8)
     b = 4
     lens = [1 + (977 * i) % 3000 for i in range(b)]
     q, kv, table, seqlens = check.make_fp8_case(lens, 1, h, seed=b + h)

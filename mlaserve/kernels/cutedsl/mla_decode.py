@@ -427,8 +427,9 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
     `ordered` (grid launches): the grid's request axis through an order of the requests.
     `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it).
-    `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8, narrow): the
-    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it)."""
+    `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8): the kernel
+    that multiplies the pages' bytes as f16 in registers, its wide form where `narrow` is 0 (uses_fp8_f16 chooses
+    it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
