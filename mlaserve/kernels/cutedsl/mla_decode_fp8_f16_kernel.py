@@ -64,12 +64,14 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N, fp8_io_tensors
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
-    col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, store_lse, take_column_max)
+    col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, take_column_max)
+from mlaserve.kernels.cutedsl.boxed_pages import (
+    CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, load_page, merge_stash, page_host_setup, page_partitions,
+    stash_consumer, stash_tensors, store_rows, zero_rows)
 from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
-    _bf16x2_to_f32, _ld_global_v4_b32, _load_page, _pow2_scale, _prmt, _st_global_pair, _st_shared_words,
-    _v_dim, _v_fragment, _zero_rows)
+    _bf16x2_to_f32, _ld_global_v4_b32, _pow2_scale, _st_shared_words, _v_fragment)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 
@@ -77,19 +79,13 @@ STAGES = 4            # consumer c owns stages c and c + 2
 WIDE_STAGES = 3       # wide: both consumers read every page; Q's 64 rows leave room for three
 WIDE_ROWS = 64        # wide: a CTA's query rows, 32 a consumer
 THREADS = 256
-CONSUMER_THREADS = 128
 WARPS = 4
-GROUPS = 4            # scale groups of 128 columns
-M_TILES = D_V // 64
-HALF_TILES = M_TILES // 2  # consumer 1's O^T tiles in each of its two stages at the merge
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
 CHUNK = 2             # K blocks converted a wgmma group (4 k-steps, 16 registers; two such buffers)
 BAR_Q = 1             # both consumers: Q stored
 BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
 BAR_RED = 3           # + 2 c: consumer c's 4 warps: column maxima (then sums); a page's stage read
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
-KV_BYTES = TILE_N * D_V
-SCALE_BYTES = TILE_N * GROUPS * 4
 VS_WORDS = GROUPS * 4 * 8  # the V scales' table a page: group, lane % 4, 8 f16x2 words
 # Q_PERM[l]: the column of a 16-column k-step that logical column l of the K fragments holds
 Q_PERM = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
@@ -119,30 +115,22 @@ class MLADecodeFP8F16Sm90:
                  num_splits: Int32, scale_log2: Float32, stream):
         n = self.n
         rows = s_q * h
-        n_rows = num_pages * TILE_N
         f8 = cutlass.Float8E4M3FN
         f16 = cutlass.Float16
+        stages = self.stages
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
-        mKV = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=f8),
-                               cute.make_layout((n_rows, D_V), stride=(ROW_WORDS * 4, 1)))
-        mSc = cute.make_tensor(cute.recast_ptr(kv_ptr + D_V // 4, dtype=Float32),
-                               cute.make_layout((n_rows, GROUPS), stride=(ROW_WORDS, 1)))
-        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+        (sK_layout, sPE_layout, sSc_layout), (tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma) = page_host_setup(
+            kv_ptr, rope_ptr, num_pages, stages)
         mBT, mSeqlens, mOut, mLse, mPO, mPL = fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
                                                              batch, rows, max_pages, num_splits)
         if const_expr(self.ordered):
             mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
 
-        atom8 = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, D_V), f8)
         atom16 = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_PE), self.dtype)
         atomh = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f16, D_V), f16)
-        stages = self.stages
-        sK_layout = cute.tile_to_shape(atom8, (TILE_N, D_V, stages), order=(0, 1, 2))
         sPt_layout = cute.tile_to_shape(atomh, (n, TILE_N, 2), order=(0, 1, 2))
-        sPE_layout = cute.tile_to_shape(atom16, (TILE_N, D_PE, stages), order=(0, 1, 2))
         if const_expr(self.wide):
             # each consumer's 32 rows as a slab of its own (the third mode)
             sQ_layout = cute.tile_to_shape(atomh, (n, D_V, 2), order=(0, 1, 2))
@@ -150,16 +138,7 @@ class MLADecodeFP8F16Sm90:
         else:
             sQ_layout = cute.tile_to_shape(atomh, (n, D_V), order=(0, 1))
             sQpe_layout = cute.tile_to_shape(atom16, (n, D_PE), order=(0, 1))
-        sSc_layout = cute.make_layout((TILE_N, GROUPS, stages), stride=(GROUPS, 1, TILE_N * GROUPS))
         q_rows = WIDE_ROWS if self.wide else n
-
-        tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(tma_op, mKV, cute.slice_(sK_layout, (None, None, 0)),
-                                                      (TILE_N, D_V))
-        tma_sc, mSc_tma = cpasync.make_tiled_tma_atom(tma_op, mSc, cute.slice_(sSc_layout, (None, None, 0)),
-                                                      (TILE_N, GROUPS))
-        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)),
-                                                      (TILE_N, D_PE))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             f16, f16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, n),
@@ -237,15 +216,7 @@ class MLADecodeFP8F16Sm90:
         start, n_tiles = page_split(seqlen, split, num_splits)
         first_page = start // TILE_N
 
-        gKV = cute.local_tile(mKV_tma, (TILE_N, D_V), (None, 0))          # [64, 512, pages]
-        gSc = cute.local_tile(mSc_tma, (TILE_N, GROUPS), (None, 0))       # [64, 4, pages]
-        gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))         # [64, 64, pages]
-        tKs, tKg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                         cute.group_modes(gKV, 0, 2))
-        tSs, tSg = cpasync.tma_partition(tma_sc, 0, cute.make_layout(1), cute.group_modes(sSc, 0, 2),
-                                         cute.group_modes(gSc, 0, 2))
-        tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
-                                         cute.group_modes(gPE, 0, 2))
+        tKs, tKg, tSs, tSg, tPs, tPg = page_partitions(tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE)
         if warp == 0:
             if c == 0:
                 cpasync.prefetch_descriptor(tma_kv)
@@ -255,12 +226,12 @@ class MLADecodeFP8F16Sm90:
                 if c == 0:
                     for p in cutlass.range_constexpr(WIDE_STAGES):
                         if p < n_tiles:
-                            _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                            load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
                                        mBT[batch, first_page + p], p, lane)
             else:
                 for p in cutlass.range_constexpr(STAGES // 2):
                     if c + 2 * p < n_tiles:
-                        _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                        load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
                                    mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
 
         # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers --
@@ -351,7 +322,7 @@ class MLADecodeFP8F16Sm90:
             stage_base = k_base + st * KV_BYTES
             if valid < TILE_N:
                 # e4m3 0xFF is NaN and 0 * NaN is NaN: the rows past the request become zeros before any MMA
-                _zero_rows(stage_base, valid, ctid)
+                zero_rows(stage_base, valid, ctid)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
             # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
@@ -361,7 +332,7 @@ class MLADecodeFP8F16Sm90:
                     v = sSc[k0 + 8 * hr, g, st]
                     if not keep:
                         v = Float32(0.0)
-                    ks[hr, g] = _f16x2(v, v)
+                    ks[hr, g] = _cvt_pair(v, v)
             sa = sSc[vb_key, vb_g, st]
             sb = sSc[vb_key + 8, vb_g, st]
             if vb_key >= valid:
@@ -369,7 +340,7 @@ class MLADecodeFP8F16Sm90:
             if vb_key + 8 >= valid:
                 sb = Float32(0.0)
             vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            _st_shared_b32(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, _f16x2(sa, sb))
+            _st_shared_b32(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, _cvt_pair(sa, sb))
             # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
             warpgroup.fence()
             atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
@@ -415,7 +386,7 @@ class MLADecodeFP8F16Sm90:
             # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
             for s in cutlass.range_constexpr(slots):
                 i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
-                _st_shared_b32(p_addr[s], _f16x2(acc_s[i], acc_s[i + 2]))
+                _st_shared_b32(p_addr[s], _cvt_pair(acc_s[i], acc_s[i + 2]))
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
             # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
@@ -462,10 +433,10 @@ class MLADecodeFP8F16Sm90:
                             if lane == 0:
                                 old = _atom_add_shared(storage.refill.data_ptr().toint() + st * 4, 1)
                             if cute.arch.shuffle_sync(old, 0) % 2 == 1 and t + stages < n_tiles:
-                                _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page,
+                                load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page,
                                            st, lane)
                     elif warp == 0 and t + stages < n_tiles:
-                        _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
+                        load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(TILE_N // 16):
                     cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
@@ -478,77 +449,26 @@ class MLADecodeFP8F16Sm90:
             # -- each consumer's own 32 rows: whole column sums, normalize, store --
             inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (n_tiles % 2, c), bar_red,
                                         CONSUMER_THREADS)
-            _store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, row_base, rows, batch, split, mOut, mLse, mPO,
+            store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, row_base, rows, batch, split, mOut, mLse, mPO,
                         mPL, n, self.is_split)
         else:
             # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
-            merge = [cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32),
-                                      cute.make_layout((CONSUMER_THREADS, HALF_TILES * vals),
-                                                       stride=(1, CONSUMER_THREADS)))
-                     for p in range(2)]
-            merge_ml = cute.make_tensor(cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32),
-                                        cute.make_layout((CONSUMER_THREADS, 2 * slots), stride=(1, CONSUMER_THREADS)))
+            merge, merge_ml = stash_tensors(
+                [cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32) for p in range(2)],
+                cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32), vals, slots, CONSUMER_THREADS)
             if c == 1:
-                for m in cutlass.range_constexpr(M_TILES):
-                    for i in cutlass.range_constexpr(vals):
-                        merge[m // HALF_TILES][ctid, (m % HALF_TILES) * vals + i] = acc_o[m][i]
-                for s in cutlass.range_constexpr(slots):
-                    merge_ml[ctid, s] = col_m[s]
-                    merge_ml[ctid, slots + s] = col_l[s]
+                stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
                 cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
             else:
                 cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-                a0 = cute.make_rmem_tensor(slots, Float32)
-                a1 = cute.make_rmem_tensor(slots, Float32)
-                for s in cutlass.range_constexpr(slots):
-                    m1 = merge_ml[ctid, s]
-                    mm = cute.arch.fmax(col_m[s], m1)
-                    m_safe = mm
-                    if mm == -Float32.inf:
-                        m_safe = 0.0
-                    a0[s] = cute.arch.exp2(col_m[s] - m_safe)
-                    a1[s] = cute.arch.exp2(m1 - m_safe)
-                    col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
-                    col_m[s] = mm
-                for m in cutlass.range_constexpr(M_TILES):
-                    for i in cutlass.range_constexpr(vals):
-                        acc_o[m][i] = (acc_o[m][i] * a0[col_slot(i, n)]
-                                       + merge[m // HALF_TILES][ctid, (m % HALF_TILES) * vals + i]
-                                       * a1[col_slot(i, n)])
+                merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, n)
 
                 # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
                 par = (n_tiles + 1) // 2 % 2
                 inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED,
                                             CONSUMER_THREADS)
-                _store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, None, rows, batch, split, mOut, mLse, mPO,
+                store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, None, rows, batch, split, mOut, mLse, mPO,
                             mPL, n, self.is_split)
-
-@cute.jit
-def _store_rows(acc_o: list, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, cols: list, lane: Int32,
-                warp: Int32, row_base, rows: Int32, batch: Int32, split: Int32, mOut: cute.Tensor,
-                mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, n: cutlass.Constexpr[int],
-                is_split: cutlass.Constexpr[bool]):
-    """O^T normalized into the request's rows row_base + column (row_base None: 0; bf16 out, or the split's fp32
-    partials), and each column's lse. Values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; _v_dim): one
-    4-byte (bf16) or 8-byte (fp32 partials) store a pair."""
-    out_base = mPO.iterator.toint() if const_expr(is_split) else mOut.iterator.toint()
-    row0 = batch * rows
-    if const_expr(is_split):
-        row0 = (batch * mPO.shape[1] + split) * rows
-    if const_expr(row_base is not None):
-        row0 = row0 + row_base
-    for m in cutlass.range_constexpr(M_TILES):
-        for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-            if const_expr(i % 4 < 2):
-                r = tOcO[i][1]
-                d = 64 * m + _v_dim(tOcO[i][0])
-                if (r if const_expr(row_base is None) else row_base + r) < rows:
-                    f = inv_l[col_slot(i, n)]
-                    at = cutlass.Int64((row0 + r) * D_V + d) * (4 if is_split else 2)
-                    _st_global_pair(out_base + at, acc_o[m][i] * f, acc_o[m][i + 2] * f, bf16=not is_split)
-    store_lse(lse, cols if const_expr(row_base is None) else [row_base + x for x in cols], lane, warp, rows, mLse,
-              mPL, batch, split, is_split)
-
 
 @cute.jit
 def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int],
@@ -603,7 +523,7 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
         g16 = part + per_row * j
         # the group's 8 words (column pairs 0..7) scaled into f16x2; logical word L holds pair 2 L (L < 4),
         # else pair 2 (L - 4) + 1 (Q_PERM)
-        hw = [_scaled_f16x2(words[8 * j + e], scale) for e in range(8)]
+        hw = [_scaled_pair(words[8 * j + e], scale, "f16") for e in range(8)]
         box = g16 // 4
         for half in cutlass.range_constexpr(2):
             chunk = 2 * (g16 % 4) + half
@@ -613,21 +533,15 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
     if part == 0:
         sInv[rs] = 1.0 / scale
     if part < D_PE // 8:
-        pw = [_scaled_bf16x2(pe[e], scale) for e in range(4)]
+        pw = [_scaled_pair(pe[e], scale, "bf16") for e in range(4)]
         _st_shared_words(qpe_base + slab * (n * D_PE * 2) + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16,
                          pw)
 
 
-def _scaled_f16x2(w: Int32, scale: Float32) -> Int32:
-    """A word's two bf16 times `scale` (a power of 2), as an f16 pair."""
+def _scaled_pair(w: Int32, scale: Float32, kind: str) -> Int32:
+    """A word's two bf16 times `scale` (a power of 2), as an f16 or (exactly) a bf16 pair."""
     lo, hi = _bf16x2_to_f32(w)
-    return _f16x2(lo * scale, hi * scale)
-
-
-def _scaled_bf16x2(w: Int32, scale: Float32) -> Int32:
-    """A word's two bf16 times `scale` (a power of 2: exact), as a bf16 pair."""
-    lo, hi = _bf16x2_to_f32(w)
-    return _bf16x2(lo * scale, hi * scale)
+    return _cvt_pair(lo * scale, hi * scale, kind)
 
 
 @dsl_user_op
@@ -682,18 +596,9 @@ def _e4m3x4_to_f16(w: Int32, s_lo: Int32, s_hi: Int32, *, loc=None, ip=None) -> 
 
 
 @dsl_user_op
-def _f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
-    """(lo, hi) rounded to an f16 pair, lo in bits 0..15."""
+def _cvt_pair(lo: Float32, hi: Float32, kind: str = "f16", *, loc=None, ip=None) -> Int32:
+    """(lo, hi) rounded to an f16 (kind "f16") or bf16 ("bf16") pair, lo in bits 0..15."""
     return Int32(llvm.inline_asm(
         Int32.mlir_type, [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
-    """(lo, hi) rounded to a bf16 pair, lo in bits 0..15."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+        f"cvt.rn.{kind}x2.f32 $0, $2, $1;", "=r,f,f",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

@@ -30,7 +30,7 @@ no maximum moved: ~13% fewer instructions a page, b128 h16 s_k 8k / 32k 200 / 70
 right after its last V^T read (FP8_MMA_EARLY_REFILL): 1.003-1.02x and 1.001-1.006x.
 
 A thread (lane = 4 q + c of warp w) holds S^T rows (keys) r = 16 w + q and r + 8. V^T's fragments put dims
-2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (the order _v_dim undoes in the store) and, within each
+2q, 2q + 1 of each 16-dim chunk on its rows r, r + 8 (the order boxed_pages.v_dim undoes) and, within each
 16 keys, keys 2c, 2c + 8, 2c + 1, 2c + 9 on its K columns 4c .. 4c + 3, so that key j and j + 8 (j < 8) sit at
 columns 2j, 2j + 1: P^T is stored in that key order, a thread's two keys of a column as one 2-byte pair.
 """
@@ -44,8 +44,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from mlaserve.kernels.cutedsl.fp8_pages import (
-    D_PE, D_QK, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N, fp8_io_tensors)
+from mlaserve.kernels.cutedsl.boxed_pages import (
+    CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, load_page, merge_stash, page_host_setup, page_partitions,
+    stash_consumer, stash_tensors, store_rows, v_dim, zero_rows)
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
@@ -55,16 +57,11 @@ N = 16                # query rows a CTA
 NH = 2 * N            # hi and lo parts on wgmma's N
 STAGES = 4            # consumer c owns stages c and c + 2
 THREADS = 256
-CONSUMER_THREADS = 128
 WARPS = 4
-GROUPS = 4            # scale groups of 128 columns
-M_TILES = D_V // 64
 BAR_Q = 1             # both consumers: Q's parts stored
 BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
 BAR_RED = 3           # + 2 c: consumer c's 4 warps: column and scale maxima (then sums); a page's stage read
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
-KV_BYTES = TILE_N * D_V
-SCALE_BYTES = TILE_N * GROUPS * 4
 Q_RANGE_EXP = 7       # q * 2^a has its largest |value| in [2^7, 2^8)
 P_RANGE = 256.0
 RED_SLOTS = N + GROUPS  # per warp and parity: the column maxima, then the scale groups' maxima
@@ -90,14 +87,10 @@ class MLADecodeFP8MmaSm90:
                  pl_ptr: cute.Pointer, batch: Int32, s_q: Int32, h: Int32, num_pages: Int32, max_pages: Int32,
                  num_splits: Int32, scale_log2: Float32, stream):
         rows = s_q * h
-        n_rows = num_pages * TILE_N
         f8 = cutlass.Float8E4M3FN
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
-        mKV = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=f8),
-                               cute.make_layout((n_rows, D_V), stride=(ROW_WORDS * 4, 1)))
-        mSc = cute.make_tensor(cute.recast_ptr(kv_ptr + D_V // 4, dtype=Float32),
-                               cute.make_layout((n_rows, GROUPS), stride=(ROW_WORDS, 1)))
-        mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+        (sK_layout, sPE_layout, sSc_layout), (tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma) = page_host_setup(
+            kv_ptr, rope_ptr, num_pages, STAGES)
         mBT, mSeqlens, mOut, mLse, mPO, mPL = fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
                                                              batch, rows, max_pages, num_splits)
         if const_expr(self.ordered):
@@ -107,22 +100,11 @@ class MLADecodeFP8MmaSm90:
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, D_V), f8)
         atom16 = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_PE), self.dtype)
-        sK_layout = cute.tile_to_shape(atom8, (TILE_N, D_V, STAGES), order=(0, 1, 2))
         sQ8_layout = cute.tile_to_shape(atom8, (NH, D_V), order=(0, 1))
         atom8p = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, TILE_N), f8)
         sPt_layout = cute.tile_to_shape(atom8p, (NH, TILE_N, 2 * GROUPS), order=(0, 1, 2))
-        sPE_layout = cute.tile_to_shape(atom16, (TILE_N, D_PE, STAGES), order=(0, 1, 2))
         sQpe_layout = cute.tile_to_shape(atom16, (N, D_PE), order=(0, 1))
-        sSc_layout = cute.make_layout((TILE_N, GROUPS, STAGES), stride=(GROUPS, 1, TILE_N * GROUPS))
-
-        tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(tma_op, mKV, cute.slice_(sK_layout, (None, None, 0)),
-                                                      (TILE_N, D_V))
-        tma_sc, mSc_tma = cpasync.make_tiled_tma_atom(tma_op, mSc, cute.slice_(sSc_layout, (None, None, 0)),
-                                                      (TILE_N, GROUPS))
-        tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)),
-                                                      (TILE_N, D_PE))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, NH))
@@ -191,15 +173,7 @@ class MLADecodeFP8MmaSm90:
         start, n_tiles = page_split(seqlen, split, num_splits)
         first_page = start // TILE_N
 
-        gKV = cute.local_tile(mKV_tma, (TILE_N, D_V), (None, 0))          # [64, 512, pages]
-        gSc = cute.local_tile(mSc_tma, (TILE_N, GROUPS), (None, 0))       # [64, 4, pages]
-        gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))         # [64, 64, pages]
-        tKs, tKg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                         cute.group_modes(gKV, 0, 2))
-        tSs, tSg = cpasync.tma_partition(tma_sc, 0, cute.make_layout(1), cute.group_modes(sSc, 0, 2),
-                                         cute.group_modes(gSc, 0, 2))
-        tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
-                                         cute.group_modes(gPE, 0, 2))
+        tKs, tKg, tSs, tSg, tPs, tPg = page_partitions(tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE)
         if warp == 0:
             if c == 0:
                 cpasync.prefetch_descriptor(tma_kv)
@@ -207,7 +181,7 @@ class MLADecodeFP8MmaSm90:
                 cpasync.prefetch_descriptor(tma_pe)
             for p in cutlass.range_constexpr(STAGES // 2):
                 if c + 2 * p < n_tiles:
-                    _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
                                mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
 
         # -- Q's parts, both consumers: 16 threads a row --
@@ -283,7 +257,7 @@ class MLADecodeFP8MmaSm90:
             stage_base = k_base + st * KV_BYTES
             if valid < TILE_N:
                 # e4m3 0xFF is NaN and 0 * NaN is NaN: the rows past the request become zeros before any MMA
-                _zero_rows(stage_base, valid, ctid)
+                zero_rows(stage_base, valid, ctid)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
             for hr in cutlass.range_constexpr(2):
@@ -380,7 +354,7 @@ class MLADecodeFP8MmaSm90:
                         if warp == 0 and t + STAGES < n_tiles:
                             if const_expr(not self.bt_ahead):
                                 next_page = mBT[batch, first_page + t + STAGES]
-                            _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st,
+                            load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st,
                                        lane)
                 if const_expr(m > 0):
                     # tile m - 1's product is complete once at most one group (tile m's) is pending
@@ -399,85 +373,39 @@ class MLADecodeFP8MmaSm90:
                 if warp == 0 and t + STAGES < n_tiles:
                     if const_expr(not self.bt_ahead):
                         next_page = mBT[batch, first_page + t + STAGES]
-                    _load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
+                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
             next_page = later_page
 
         # -- consumer 1 leaves O^T in its stage 1, maxima and sums in its stage 3 (no page lands there any more) --
         vals = cute.size(acc_o[0])
-        merge = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + KV_BYTES, dtype=Float32),
-                                 cute.make_layout((CONSUMER_THREADS, M_TILES * vals), stride=(1, CONSUMER_THREADS)))
-        merge_ml = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + 3 * KV_BYTES, dtype=Float32),
-                                    cute.make_layout((CONSUMER_THREADS, 2 * slots), stride=(1, CONSUMER_THREADS)))
+        merge, merge_ml = stash_tensors([cute.recast_ptr(storage.sK.data_ptr() + KV_BYTES, dtype=Float32)],
+                                        cute.recast_ptr(storage.sK.data_ptr() + 3 * KV_BYTES, dtype=Float32),
+                                        vals, slots, CONSUMER_THREADS)
         if c == 1:
-            for m in cutlass.range_constexpr(M_TILES):
-                for i in cutlass.range_constexpr(vals):
-                    merge[ctid, m * vals + i] = acc_o[m][i]
-            for s in cutlass.range_constexpr(slots):
-                merge_ml[ctid, s] = col_m[s]
-                merge_ml[ctid, slots + s] = col_l[s]
+            stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
             cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
         else:
             cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-            a0 = cute.make_rmem_tensor(slots, Float32)
-            a1 = cute.make_rmem_tensor(slots, Float32)
-            for s in cutlass.range_constexpr(slots):
-                m1 = merge_ml[ctid, s]
-                mm = cute.arch.fmax(col_m[s], m1)
-                m_safe = mm
-                if mm == -Float32.inf:
-                    m_safe = 0.0
-                a0[s] = cute.arch.exp2(col_m[s] - m_safe)
-                a1[s] = cute.arch.exp2(m1 - m_safe)
-                col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
-                col_m[s] = mm
-            for m in cutlass.range_constexpr(M_TILES):
-                for i in cutlass.range_constexpr(vals):
-                    acc_o[m][i] = acc_o[m][i] * a0[col_slot(i, N)] + merge[ctid, m * vals + i] * a1[col_slot(i, N)]
+            merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, N)
 
             # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
             par = (n_tiles + 1) // 2 % 2
             inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
             if const_expr(self.vec_io):
-                # values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; _v_dim): one 4-byte (bf16) or
-                # 8-byte (fp32 partials) store a pair
-                out_base = mPO.iterator.toint() if const_expr(self.is_split) else mOut.iterator.toint()
-                row0 = batch * rows
-                if const_expr(self.is_split):
-                    row0 = (batch * mPO.shape[1] + split) * rows
-                for m in cutlass.range_constexpr(M_TILES):
-                    for i in cutlass.range_constexpr(vals):
-                        if const_expr(i % 4 < 2):
-                            r = tOcO[i][1]
-                            d = 64 * m + _v_dim(tOcO[i][0])
-                            if r < rows:
-                                f = inv_l[col_slot(i, N)]
-                                at = cutlass.Int64((row0 + r) * D_V + d) * (4 if self.is_split else 2)
-                                _st_global_pair(out_base + at, acc_o[m][i] * f, acc_o[m][i + 2] * f,
-                                                bf16=not self.is_split)
+                store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, None, rows, batch, split, mOut, mLse, mPO, mPL,
+                           N, self.is_split)
             else:
                 for m in cutlass.range_constexpr(M_TILES):
                     for i in cutlass.range_constexpr(vals):
                         r = tOcO[i][1]
-                        d = 64 * m + _v_dim(tOcO[i][0])
+                        d = 64 * m + v_dim(tOcO[i][0])
                         if r < rows:
                             val = acc_o[m][i] * inv_l[col_slot(i, N)]
                             if const_expr(self.is_split):
                                 mPO[batch, split, r, d] = val
                             else:
                                 mOut[batch, r, d] = val.to(self.dtype)
-            store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
-
-
-@cute.jit
-def _load_page(tma_kv: cute.CopyAtom, tKg: cute.Tensor, tKs: cute.Tensor, tma_sc: cute.CopyAtom, tSg: cute.Tensor,
-               tSs: cute.Tensor, tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, full: cute.Pointer,
-               page: Int32, st: Int32, lane: Int32):
-    """Page `page`'s e4m3 boxes, scales and k_pe into stage st, on full[st] (called by one whole warp)."""
-    if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(full + st, KV_BYTES + SCALE_BYTES + PE_BYTES)
-    cute.copy(tma_kv, tKg[None, page], tKs[None, st], tma_bar_ptr=full + st)
-    cute.copy(tma_sc, tSg[None, page], tSs[None, st], tma_bar_ptr=full + st)
-    cute.copy(tma_pe, tPg[None, page], tPs[None, st], tma_bar_ptr=full + st)
+                store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
 
 
 @cute.jit
@@ -516,18 +444,6 @@ def _store_q_parts(mQ: cute.Tensor, batch: Int32, rows: Int32, tidx: Int32, q8: 
         if r < rows:
             v = mQ[r, D_V + col, batch].to(Float32)
         sQpe[r, col] = v.to(cutlass.BFloat16)
-
-
-@cute.jit
-def _zero_rows(stage_base: Int32, valid: Int32, ctid: Int32):
-    """Rows valid .. 63 of the stage's four e4m3 boxes [64, 128] to zeros (16-byte stores; the swizzle permutes
-    16-byte chunks within a row, so whole rows are whole rows)."""
-    for j in cutlass.range_constexpr(TILE_N * D_V // 16 // CONSUMER_THREADS):
-        chunk = ctid + CONSUMER_THREADS * j          # 16-byte chunk: box g, row, chunk in row
-        g = chunk // (TILE_N * 8)
-        row = (chunk // 8) % TILE_N
-        if row >= valid:
-            _st_shared_zero16(stage_base + g * (TILE_N * 128) + row * 128 + (chunk % 8) * 16)
 
 
 @cute.jit
@@ -606,12 +522,6 @@ def _u8_view(t: cute.Tensor, swizzle) -> cute.Tensor:
     return cute.make_tensor(cute.recast_ptr(t.iterator, swizzle_=swizzle, dtype=cutlass.Uint8), t.layout)
 
 
-def _v_dim(m_row: Int32) -> Int32:
-    """The dim (within a 64-dim M tile) of O^T's M row `m_row`."""
-    i = m_row % 16
-    return 16 * (m_row // 16) + 2 * (i % 8) + i // 8
-
-
 @dsl_user_op
 def _ldsm_x4_trans(addr: Int32, *, loc=None, ip=None) -> list:
     res = llvm.inline_asm(
@@ -663,13 +573,6 @@ def _pow2_scale(amax: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def _st_shared_zero16(addr: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)],
-                    "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
 def _ld_global_v4_b32(addr: cutlass.Int64, *, loc=None, ip=None) -> list:
     """The 16 bytes at global address `addr` (16-byte aligned) as 4 words, through the read-only path."""
     quad = llvm.inline_asm(
@@ -700,11 +603,3 @@ def _st_shared_words(addr: Int32, words: list, *, loc=None, ip=None) -> None:
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-@dsl_user_op
-def _st_global_pair(addr: cutlass.Int64, a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> None:
-    """(a, b) at `addr`, a first: rounded to a bf16 pair (one 4-byte store) or as two fp32 (one 8-byte store)."""
-    store = ("{\n.reg .b32 t;\ncvt.rn.bf16x2.f32 t, $2, $1;\nst.global.b32 [$0], t;\n}\n" if bf16
-             else "st.global.v2.f32 [$0], {$1, $2};")
-    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
-                           Float32(b).ir_value(loc=loc, ip=ip)], store, "l,f,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

@@ -1,0 +1,192 @@
+"""The frame the keys-on-M FP8 decode kernels with consumer-owned stages share (mla_decode_fp8_mma_kernel.py,
+mla_decode_fp8_f16_kernel.py): each page's 512 e4m3 bytes a row TMA'd as four [64, 128] boxes in the 128-byte
+swizzle, its scales [64, 4] fp32 and k_pe [64, 64] bf16, into stages that the consumers refill themselves; at
+the end consumer 1's O^T, maxima and sums stashed in smem and merged into consumer 0's; O^T stored by rows.
+Everything here is inlined into the calling kernel at trace time.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N
+from mlaserve.kernels.cutedsl.keys_on_m import col_slot, store_lse
+
+GROUPS = 4            # scale groups of 128 columns
+M_TILES = D_V // 64   # O^T's 64-dim tiles
+KV_BYTES = TILE_N * D_V
+SCALE_BYTES = TILE_N * GROUPS * 4
+CONSUMER_THREADS = 128
+
+
+def page_host_setup(kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, num_pages: Int32, stages: int):
+    """The stages' smem layouts (e4m3 boxes [64, 512, stages], k_pe [64, 64, stages], scales [64, 4, stages]) and
+    the three TMA atoms with their tensors, over the cache of num_pages pages (kv_ptr as e4m3 bytes at each row's
+    start, rope_ptr as bf16 at its k_pe). -> (sK_layout, sPE_layout, sSc_layout), (tma_kv, mKV_tma, tma_sc,
+    mSc_tma, tma_pe, mPE_tma)."""
+    f8 = cutlass.Float8E4M3FN
+    bf16 = cutlass.BFloat16
+    n_rows = num_pages * TILE_N
+    mKV = cute.make_tensor(cute.recast_ptr(kv_ptr, dtype=f8),
+                           cute.make_layout((n_rows, D_V), stride=(ROW_WORDS * 4, 1)))
+    mSc = cute.make_tensor(cute.recast_ptr(kv_ptr + D_V // 4, dtype=Float32),
+                           cute.make_layout((n_rows, GROUPS), stride=(ROW_WORDS, 1)))
+    mRope = cute.make_tensor(rope_ptr, cute.make_layout((n_rows, D_PE), stride=(ROPE_ELEMS, 1)))
+    atom8 = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f8, D_V), f8)
+    atom16 = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, bf16, D_PE), bf16)
+    sK_layout = cute.tile_to_shape(atom8, (TILE_N, D_V, stages), order=(0, 1, 2))
+    sPE_layout = cute.tile_to_shape(atom16, (TILE_N, D_PE, stages), order=(0, 1, 2))
+    sSc_layout = cute.make_layout((TILE_N, GROUPS, stages), stride=(GROUPS, 1, TILE_N * GROUPS))
+    tma_op = cpasync.CopyBulkTensorTileG2SOp()
+    tma_kv, mKV_tma = cpasync.make_tiled_tma_atom(tma_op, mKV, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, D_V))
+    tma_sc, mSc_tma = cpasync.make_tiled_tma_atom(tma_op, mSc, cute.slice_(sSc_layout, (None, None, 0)),
+                                                  (TILE_N, GROUPS))
+    tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)),
+                                                  (TILE_N, D_PE))
+    return (sK_layout, sPE_layout, sSc_layout), (tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma)
+
+
+def page_partitions(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom, mSc_tma: cute.Tensor,
+                    tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, sK: cute.Tensor, sSc: cute.Tensor, sPE: cute.Tensor):
+    """The TMA partitions of a page's three parts, [.., pages] in global memory and [.., stages] in smem ->
+    (tKs, tKg, tSs, tSg, tPs, tPg), as load_page takes them."""
+    gKV = cute.local_tile(mKV_tma, (TILE_N, D_V), (None, 0))          # [64, 512, pages]
+    gSc = cute.local_tile(mSc_tma, (TILE_N, GROUPS), (None, 0))       # [64, 4, pages]
+    gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))         # [64, 64, pages]
+    tKs, tKg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                     cute.group_modes(gKV, 0, 2))
+    tSs, tSg = cpasync.tma_partition(tma_sc, 0, cute.make_layout(1), cute.group_modes(sSc, 0, 2),
+                                     cute.group_modes(gSc, 0, 2))
+    tPs, tPg = cpasync.tma_partition(tma_pe, 0, cute.make_layout(1), cute.group_modes(sPE, 0, 2),
+                                     cute.group_modes(gPE, 0, 2))
+    return tKs, tKg, tSs, tSg, tPs, tPg
+
+
+def stash_tensors(parts: list, ml_ptr: cute.Pointer, vals: int, slots: int, threads: int):
+    """Consumer 1's stash in smem: O^T's M_TILES tiles spread evenly over the Float32 pointers `parts` (vals values
+    a tile and thread, thread-minor), and its maxima and sums (2 slots values a thread) at ml_ptr."""
+    tiles = M_TILES // len(parts)
+    merge = [cute.make_tensor(p, cute.make_layout((threads, tiles * vals), stride=(1, threads))) for p in parts]
+    merge_ml = cute.make_tensor(ml_ptr, cute.make_layout((threads, 2 * slots), stride=(1, threads)))
+    return merge, merge_ml
+
+
+@cute.jit
+def stash_consumer(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32, merge: list,
+                   merge_ml: cute.Tensor):
+    """Consumer 1 leaves its O^T, maxima and sums in stash_tensors' smem."""
+    tiles = M_TILES // len(merge)
+    vals = cute.size(acc_o[0])
+    slots = cute.size(col_m)
+    for m in cutlass.range_constexpr(M_TILES):
+        for i in cutlass.range_constexpr(vals):
+            merge[m // tiles][ctid, (m % tiles) * vals + i] = acc_o[m][i]
+    for s in cutlass.range_constexpr(slots):
+        merge_ml[ctid, s] = col_m[s]
+        merge_ml[ctid, slots + s] = col_l[s]
+
+
+@cute.jit
+def merge_stash(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32, merge: list,
+                merge_ml: cute.Tensor, n: cutlass.Constexpr[int]):
+    """Consumer 0 folds consumer 1's stash (stash_consumer) into its own O^T, maxima and sums: both rescaled to
+    the larger maximum of each column (a column neither saw stays at -inf, its sums 0)."""
+    tiles = M_TILES // len(merge)
+    vals = cute.size(acc_o[0])
+    slots = cute.size(col_m)
+    a0 = cute.make_rmem_tensor(slots, Float32)
+    a1 = cute.make_rmem_tensor(slots, Float32)
+    for s in cutlass.range_constexpr(slots):
+        m1 = merge_ml[ctid, s]
+        mm = cute.arch.fmax(col_m[s], m1)
+        m_safe = mm
+        if mm == -Float32.inf:
+            m_safe = 0.0
+        a0[s] = cute.arch.exp2(col_m[s] - m_safe)
+        a1[s] = cute.arch.exp2(m1 - m_safe)
+        col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
+        col_m[s] = mm
+    for m in cutlass.range_constexpr(M_TILES):
+        for i in cutlass.range_constexpr(vals):
+            acc_o[m][i] = (acc_o[m][i] * a0[col_slot(i, n)]
+                           + merge[m // tiles][ctid, (m % tiles) * vals + i] * a1[col_slot(i, n)])
+
+
+@cute.jit
+def store_rows(acc_o: list, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, cols: list, lane: Int32,
+               warp: Int32, row_base, rows: Int32, batch: Int32, split: Int32, mOut: cute.Tensor,
+               mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, n: cutlass.Constexpr[int],
+               is_split: cutlass.Constexpr[bool]):
+    """O^T normalized into the request's rows row_base + column (row_base None: 0; bf16 out, or the split's fp32
+    partials), and each column's lse. Values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; v_dim): one
+    4-byte (bf16) or 8-byte (fp32 partials) store a pair."""
+    out_base = mPO.iterator.toint() if const_expr(is_split) else mOut.iterator.toint()
+    row0 = batch * rows
+    if const_expr(is_split):
+        row0 = (batch * mPO.shape[1] + split) * rows
+    if const_expr(row_base is not None):
+        row0 = row0 + row_base
+    for m in cutlass.range_constexpr(M_TILES):
+        for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+            if const_expr(i % 4 < 2):
+                r = tOcO[i][1]
+                d = 64 * m + v_dim(tOcO[i][0])
+                if (r if const_expr(row_base is None) else row_base + r) < rows:
+                    f = inv_l[col_slot(i, n)]
+                    at = cutlass.Int64((row0 + r) * D_V + d) * (4 if is_split else 2)
+                    st_global_pair(out_base + at, acc_o[m][i] * f, acc_o[m][i + 2] * f, bf16=not is_split)
+    store_lse(lse, cols if const_expr(row_base is None) else [row_base + x for x in cols], lane, warp, rows, mLse,
+              mPL, batch, split, is_split)
+
+
+@cute.jit
+def load_page(tma_kv: cute.CopyAtom, tKg: cute.Tensor, tKs: cute.Tensor, tma_sc: cute.CopyAtom, tSg: cute.Tensor,
+               tSs: cute.Tensor, tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, full: cute.Pointer,
+               page: Int32, st: Int32, lane: Int32):
+    """Page `page`'s e4m3 boxes, scales and k_pe into stage st, on full[st] (called by one whole warp)."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(full + st, KV_BYTES + SCALE_BYTES + PE_BYTES)
+    cute.copy(tma_kv, tKg[None, page], tKs[None, st], tma_bar_ptr=full + st)
+    cute.copy(tma_sc, tSg[None, page], tSs[None, st], tma_bar_ptr=full + st)
+    cute.copy(tma_pe, tPg[None, page], tPs[None, st], tma_bar_ptr=full + st)
+
+
+@cute.jit
+def zero_rows(stage_base: Int32, valid: Int32, ctid: Int32):
+    """Rows valid .. 63 of the stage's four e4m3 boxes [64, 128] to zeros (16-byte stores; the swizzle permutes
+    16-byte chunks within a row, so whole rows are whole rows)."""
+    for j in cutlass.range_constexpr(TILE_N * D_V // 16 // CONSUMER_THREADS):
+        chunk = ctid + CONSUMER_THREADS * j          # 16-byte chunk: box g, row, chunk in row
+        g = chunk // (TILE_N * 8)
+        row = (chunk // 8) % TILE_N
+        if row >= valid:
+            st_shared_zero16(stage_base + g * (TILE_N * 128) + row * 128 + (chunk % 8) * 16)
+
+
+def v_dim(m_row: Int32) -> Int32:
+    """The dim (within a 64-dim M tile) of O^T's M row `m_row`."""
+    i = m_row % 16
+    return 16 * (m_row // 16) + 2 * (i % 8) + i // 8
+
+
+@dsl_user_op
+def st_shared_zero16(addr: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)],
+                    "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def st_global_pair(addr: cutlass.Int64, a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> None:
+    """(a, b) at `addr`, a first: rounded to a bf16 pair (one 4-byte store) or as two fp32 (one 8-byte store)."""
+    store = ("{\n.reg .b32 t;\ncvt.rn.bf16x2.f32 t, $2, $1;\nst.global.b32 [$0], t;\n}\n" if bf16
+             else "st.global.v2.f32 [$0], {$1, $2};")
+    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
+                           Float32(b).ir_value(loc=loc, ip=ip)], store, "l,f,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
