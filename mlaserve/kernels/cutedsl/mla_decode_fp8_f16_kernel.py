@@ -478,7 +478,8 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
     [n, 64] bf16 likewise; 2^-a into sInv. a per query row r: its largest |q_nope| in [2^7, 2^8) (_pow2_scale).
     `slabs` (2: wide) such [n, ...] tensors one after the other, for the request's rows row0 + n * slab + r.
     256 / (n slabs) threads a row; thread `part` takes the row's 16-column groups part + (256 / (n slabs)) j, and
-    parts < 8 the rope chunk part. Rows past `rows` are zeros."""
+    its rope chunks part + (256 / (n slabs)) j of the 8 (wide: 4 threads a row, two chunks each). Rows past `rows`
+    are zeros."""
     per_row = THREADS // (n * slabs)
     groups = (D_V // 16) // per_row
     rs = tidx // per_row                  # the CTA's row: slab rs // n, row r of it
@@ -502,12 +503,14 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
             w = _ld_global_v4_b32(row_addr + (col + 8 * e) * 2)
             for x in cutlass.range_constexpr(4):
                 words[8 * j + 4 * e + x] = w[x]
-    pe = cute.make_rmem_tensor(4, Int32)
+    pe_chunks = (D_PE // 8 + per_row - 1) // per_row     # 16-byte rope chunks a thread
+    pe = cute.make_rmem_tensor(4 * pe_chunks, Int32)
     pe.fill(0)
-    if part < D_PE // 8:
-        w = _ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
-        for x in cutlass.range_constexpr(4):
-            pe[x] = w[x]
+    for j in cutlass.range_constexpr(pe_chunks):
+        if part + per_row * j < D_PE // 8:
+            w = _ld_global_v4_b32(row_addr + (D_V + 8 * (part + per_row * j)) * 2)
+            for x in cutlass.range_constexpr(4):
+                pe[4 * j + x] = w[x]
     if grow >= rows:
         words.fill(0)
         pe.fill(0)
@@ -532,10 +535,12 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
             _st_shared_words(addr, [hw[half], hw[2 + half], hw[4 + half], hw[6 + half]])
     if part == 0:
         sInv[rs] = 1.0 / scale
-    if part < D_PE // 8:
-        pw = [_scaled_pair(pe[e], scale, "bf16") for e in range(4)]
-        _st_shared_words(qpe_base + slab * (n * D_PE * 2) + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16,
-                         pw)
+    for j in cutlass.range_constexpr(pe_chunks):
+        pc = part + per_row * j
+        if pc < D_PE // 8:
+            pw = [_scaled_pair(pe[4 * j + e], scale, "bf16") for e in range(4)]
+            _st_shared_words(qpe_base + slab * (n * D_PE * 2) + (r // 8) * 1024 + (r % 8) * 128 + (pc ^ (r % 8)) * 16,
+                             pw)
 
 
 def _scaled_pair(w: Int32, scale: Float32, kind: str) -> Int32:
