@@ -227,12 +227,12 @@ class MLADecodeFP8F16Sm90:
                     for p in cutlass.range_constexpr(WIDE_STAGES):
                         if p < n_tiles:
                             load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                                       mBT[batch, first_page + p], p, lane)
+                                      mBT[batch, first_page + p], p, lane)
             else:
                 for p in cutlass.range_constexpr(STAGES // 2):
                     if c + 2 * p < n_tiles:
                         load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                                   mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+                                  mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
 
         # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers --
         _store_q_f16(mQ.iterator.toint(), batch, rows, tidx, n, storage.sQ.data_ptr().toint(),
@@ -434,7 +434,7 @@ class MLADecodeFP8F16Sm90:
                                 old = _atom_add_shared(storage.refill.data_ptr().toint() + st * 4, 1)
                             if cute.arch.shuffle_sync(old, 0) % 2 == 1 and t + stages < n_tiles:
                                 load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page,
-                                           st, lane)
+                                          st, lane)
                     elif warp == 0 and t + stages < n_tiles:
                         load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
                 warpgroup.fence()
@@ -450,7 +450,7 @@ class MLADecodeFP8F16Sm90:
             inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (n_tiles % 2, c), bar_red,
                                         CONSUMER_THREADS)
             store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, row_base, rows, batch, split, mOut, mLse, mPO,
-                        mPL, n, self.is_split)
+                       mPL, n, self.is_split)
         else:
             # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
             merge, merge_ml = stash_tensors(
@@ -468,7 +468,8 @@ class MLADecodeFP8F16Sm90:
                 inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED,
                                             CONSUMER_THREADS)
                 store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, None, rows, batch, split, mOut, mLse, mPO,
-                            mPL, n, self.is_split)
+                           mPL, n, self.is_split)
+
 
 @cute.jit
 def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int],

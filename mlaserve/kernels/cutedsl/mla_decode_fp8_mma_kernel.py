@@ -182,7 +182,7 @@ class MLADecodeFP8MmaSm90:
             for p in cutlass.range_constexpr(STAGES // 2):
                 if c + 2 * p < n_tiles:
                     load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                               mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+                              mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
 
         # -- Q's parts, both consumers: 16 threads a row --
         if const_expr(self.vec_io):
@@ -355,7 +355,7 @@ class MLADecodeFP8MmaSm90:
                             if const_expr(not self.bt_ahead):
                                 next_page = mBT[batch, first_page + t + STAGES]
                             load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st,
-                                       lane)
+                                      lane)
                 if const_expr(m > 0):
                     # tile m - 1's product is complete once at most one group (tile m's) is pending
                     if const_expr(m < M_TILES):
