@@ -24,8 +24,9 @@ Q * 2^a in f16 keeps bf16 q exactly down to 2^-22 of the row's largest; P in f16
 
 Fragments (lane = 4 q + c of warp w; the wgmma m64nNk16 f16 A fragment: words (row q, k 2c..2c+1), (row
 q + 8, same), (row q, k 2c + 8..2c + 9), (row q + 8, same)):
-- K: one ldmatrix .x4 (b16) per 32 columns gives the e4m3 A fragment of m64nNk32 (_ldsm_x4's docstring:
-  words (key q, columns 4c..4c + 3), (key q + 8, same), then the same 16 columns on). Each word's low and
+- K: one ldmatrix .x4 (b16) per 32 columns gives the e4m3 A fragment of m64nNk32 (_ldsm_x4's docstring, in
+  mla_decode_fp8_mma_kernel.py: words (key q, columns 4c..4c + 3), (key q + 8, same), then the same 16 columns
+  on). Each word's low and
   high byte pairs become the k-step's first and third words: logical column 2c + j (j < 2) of a 16-column
   step is column 4c + j, and 2c + 8 + j is 4c + 2 + j (Q_PERM). Q is stored in that order.
 - V^T: _v_fragment's word (dim row r, keys 2c, 2c + 8, 2c + 1, 2c + 9 of 16) gives the step's first word
@@ -71,7 +72,7 @@ from mlaserve.kernels.cutedsl.boxed_pages import (
     CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, load_page, merge_stash, page_host_setup, page_partitions,
     stash_consumer, stash_tensors, store_rows, zero_rows)
 from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
-    _bf16x2_to_f32, _ld_global_v4_b32, _pow2_scale, _st_shared_words, _v_fragment)
+    _bf16x2_to_f32, _ld_global_v4_b32, _ldsm_x4, _pow2_scale, _st_shared_words, _v_fragment)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 
@@ -340,7 +341,7 @@ class MLADecodeFP8F16Sm90:
             if vb_key + 8 >= valid:
                 sb = Float32(0.0)
             vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            _st_shared_b32(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, _cvt_pair(sa, sb))
+            _st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [_cvt_pair(sa, sb)])
             # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
             warpgroup.fence()
             atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
@@ -386,7 +387,7 @@ class MLADecodeFP8F16Sm90:
             # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
             for s in cutlass.range_constexpr(slots):
                 i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
-                _st_shared_b32(p_addr[s], _cvt_pair(acc_s[i], acc_s[i + 2]))
+                _st_shared_words(p_addr[s], [_cvt_pair(acc_s[i], acc_s[i + 2])])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
             # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
@@ -548,24 +549,6 @@ def _scaled_pair(w: Int32, scale: Float32, kind: str) -> Int32:
     """A word's two bf16 times `scale` (a power of 2), as an f16 or (exactly) a bf16 pair."""
     lo, hi = _bf16x2_to_f32(w)
     return _cvt_pair(lo * scale, hi * scale, kind)
-
-
-@dsl_user_op
-def _ldsm_x4(addr: Int32, *, loc=None, ip=None) -> list:
-    """ldmatrix .x4 (b16, not transposed) from this lane's row address: lane l gets, of matrix i (rows from lanes
-    8 i .. 8 i + 7), row l // 4's 4 bytes 4 (l % 4) .. + 3, as word i."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def _st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-                    "st.shared.b32 [$0], $1;", "r,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op

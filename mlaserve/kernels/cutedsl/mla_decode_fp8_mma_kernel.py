@@ -458,7 +458,7 @@ def _v_fragment(frag: cute.Tensor, stage_base: Int32, warp: Int32, lane: Int32, 
     chunk = 4 * (m_tile % 2) + warp
     for k in cutlass.range_constexpr(TILE_N // 32):
         key = 32 * k + lane
-        w = _ldsm_x4_trans(stage_base + g * (TILE_N * 128) + key * 128 + ((chunk ^ (key % 8)) * 16))
+        w = _ldsm_x4(stage_base + g * (TILE_N * 128) + key * 128 + ((chunk ^ (key % 8)) * 16), trans=True)
         frag[4 * k + 0] = _prmt(w[0], w[1], 0x6240)
         frag[4 * k + 1] = _prmt(w[0], w[1], 0x7351)
         frag[4 * k + 2] = _prmt(w[2], w[3], 0x6240)
@@ -523,10 +523,12 @@ def _u8_view(t: cute.Tensor, swizzle) -> cute.Tensor:
 
 
 @dsl_user_op
-def _ldsm_x4_trans(addr: Int32, *, loc=None, ip=None) -> list:
+def _ldsm_x4(addr: Int32, trans: bool = False, *, loc=None, ip=None) -> list:
+    """ldmatrix .x4 (b16; .trans where `trans`) from this lane's row address: lane l gets, of matrix i (rows from
+    lanes 8 i .. 8 i + 7), word i: not transposed, row l // 4's 4 bytes 4 (l % 4) .. + 3."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
         "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [Int32(llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
 
@@ -595,11 +597,12 @@ def _bf16x2_to_f32(w: Int32, *, loc=None, ip=None) -> tuple:
 
 @dsl_user_op
 def _st_shared_words(addr: Int32, words: list, *, loc=None, ip=None) -> None:
-    """2 or 4 words as one 8- or 16-byte shared-memory store at `addr`."""
+    """1, 2 or 4 words as one 4-, 8- or 16-byte shared-memory store at `addr`."""
     n = len(words)
     regs = ", ".join(f"${i + 1}" for i in range(n))
+    op = "st.shared.b32 [$0], $1;" if n == 1 else f"st.shared.v{n}.b32 [$0], {{{regs}}};"
     llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), *(Int32(w).ir_value(loc=loc, ip=ip) for w in words)],
-                    f"st.shared.v{n}.b32 [$0], {{{regs}}};", ",".join("r" * (n + 1)),
+                    op, ",".join("r" * (n + 1)),
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
