@@ -75,8 +75,6 @@ switches, read at launch (so captured with each graph):
   SPARSE_FP8_ONE_BARRIER  cutedsl sparse MLA, the FP8 cache (sparse shapes): the same in its kernel
   FP8_F16           cutedsl: FP8 KV at <= 32 rows, the pages' bytes multiplied as f16 in registers
                     (mla_decode_fp8_f16_kernel.py) against the FP8-MMA and bf16-tile kernels
-  FP8_F16_WIDE      cutedsl: FP8 KV at more than 32 rows, that kernel's wide form (64 rows a CTA) against the
-                    64-row kernel that dequantizes into bf16 tiles
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
                     twice that split) against the table's bound
   NARROW_PIPE_S     triton: FP8 at <= 32 rows, the compute warpgroup beside the dequantizing one issuing the next
@@ -282,7 +280,6 @@ SWITCHES = {
     "FP8_ONE_BARRIER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_ONE_BARRIER")),
     "SPARSE_FP8_ONE_BARRIER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "FP8_ONE_BARRIER")),
     "FP8_F16": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16")),
-    "FP8_F16_WIDE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_WIDE")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),
 }
 

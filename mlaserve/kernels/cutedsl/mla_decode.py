@@ -240,10 +240,6 @@ FP8_MMA = True
 # h32 8k / 32k 1.064 / 1.127x, h16 s_q2 8k 1.067x, h16 4k / 8k / 32k 1.018 / 1.013 / 1.007x, h32 4k 0.996x, b16 h32
 # / h16 32k 1.026 / 1.018x; with fewer pages a split 0.95-0.99x (b4 h32 32k, b1 h16 32k), which the bound keeps out
 FP8_F16 = True
-# FP8 KV at more than 32 rows: the same kernel in its wide form (64 rows a CTA, each consumer 32 of them over every
-# page, both converting each page; mla_decode_fp8_f16_kernel.py's last paragraph) in place of the 64-row kernel that
-# dequantizes into bf16 tiles (mla_decode_fp8_kernel.py). Not yet run on a GPU (bench/NOTES.md 128): off
-FP8_F16_WIDE = False
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -400,14 +396,10 @@ def uses_fp8_mma(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bo
 
 
 def uses_fp8_f16(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bool:
-    """Whether a step takes the f16-register FP8 kernel: FP8 KV at <= 32 query rows a request (FP8_F16), each
-    split spanning at least CONFIG.fp8_mma_min_pages pages (host shapes only, as uses_fp8_mma); or at more rows, in
-    its wide form (FP8_F16_WIDE)."""
-    if not kv_fp8:
-        return False
-    if fp8_narrow_cols(rows) == 0:
-        return FP8_F16_WIDE
-    return (FP8_F16 and CONFIG.fp8_mma_min_pages > 0 and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
+    """Whether a step takes the f16-register FP8 kernel (FP8_F16): FP8 KV at <= 32 query rows a request, each
+    split spanning at least CONFIG.fp8_mma_min_pages pages (host shapes only, as uses_fp8_mma)."""
+    return (FP8_F16 and kv_fp8 and fp8_narrow_cols(rows) > 0 and CONFIG.fp8_mma_min_pages > 0
+            and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
 def kv_ring(rows: int) -> tuple[int, bool, int]:
@@ -427,9 +419,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
     `ordered` (grid launches): the grid's request axis through an order of the requests.
     `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it).
-    `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8): the kernel
-    that multiplies the pages' bytes as f16 in registers, its wide form where `narrow` is 0 (uses_fp8_f16 chooses
-    it)."""
+    `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8, narrow): the
+    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -456,9 +447,9 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
         key += ("fp8-mma",)
     if fp8_f16:
-        if not kv_fp8 or fp8_mma:
-            raise ValueError(f"the FP8 f16 kernel takes FP8 KV, not FP8-MMA's steps: got kv_fp8={kv_fp8}, "
-                             f"fp8_mma={fp8_mma}")
+        if not (kv_fp8 and narrow) or fp8_mma:
+            raise ValueError(f"the FP8 f16 kernel takes FP8 KV at 16 or 32 rows, got kv_fp8={kv_fp8}, "
+                             f"narrow={narrow}, fp8_mma={fp8_mma}")
         key += ("fp8-f16",)
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
@@ -481,8 +472,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         t0 = time.perf_counter()
         if fp8_f16:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow or 32,
-                                                       ordered=ordered, wide=not narrow),
+            fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

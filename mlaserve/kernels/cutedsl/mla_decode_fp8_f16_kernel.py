@@ -46,14 +46,9 @@ the bf16 kernel at b128 h32 1.44 / 1.54 / 1.59 / 1.62x (4k-32k; 1.46-1.49x befor
 With few pages a split (b4 h32 32k, b1 h16 32k) 0.95-0.99x: Q is built per split, so mla_decode takes it from
 48 pages a split, as the FP8-MMA kernel.
 
-The wide form (MLADecodeFP8F16Sm90(wide=True), mla_decode.FP8_F16_WIDE; any number of rows, 64 a CTA, the grid's
-x the 64-row blocks): each consumer takes 32 of the block's rows over every page, so both convert each page (its
-K and V^T twice a CTA) and nothing is merged at the end; each stores its own rows. Q's 64 rows (64 KB of f16)
-leave room for three stages; both consumers wait for each page, and the stage is refilled by the second of them
-to be done with it (an acq_rel atomic count in smem, odd: the second). Against the 64-row kernel
-(mla_decode_fp8_kernel.py): no loader warpgroup, no bf16 tile, no softmax exchange between the consumers; the cost
-is the conversions twice over and N 32 wgmmas. SASS (f16-64): 255 registers, 88 bytes of stack, the loop 1560
-instructions. Not yet run on a GPU (bench/NOTES.md 128).
+A wide form for more rows (64 a CTA, each consumer 32 of them over every page, converting each page twice a
+CTA) measured 0.74-0.80x the 64-row kernel on an H100 and was taken out (bench/NOTES.md 129,
+bench/wip/fp8-f16-wide-form.patch).
 """
 
 import cutlass
@@ -77,8 +72,6 @@ from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 
 STAGES = 4            # consumer c owns stages c and c + 2
-WIDE_STAGES = 3       # wide: both consumers read every page; Q's 64 rows leave room for three
-WIDE_ROWS = 64        # wide: a CTA's query rows, 32 a consumer
 THREADS = 256
 WARPS = 4
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
@@ -93,21 +86,17 @@ Q_PERM = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
 
 
 class MLADecodeFP8F16Sm90:
-    """Compiled per (causal, split, n, wide); q, out bf16. Launched by mla_decode.py through `__call__`, with the
-    arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32), or with `wide` any rows in blocks of 64, a CTA
-    per block (module docstring's last paragraph)."""
+    """Compiled per (causal, split, n); q, out bf16. Launched by mla_decode.py through `__call__`, with the
+    arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
-    def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, wide: bool = False):
-        if n not in (16, 32) or (wide and n != 32):
-            raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows a consumer (32 when wide), got n={n}, "
-                             f"wide={wide}")
+    def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False):
+        if n not in (16, 32):
+            raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
         self.n = n
         self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
-        self.wide = wide
-        self.stages = WIDE_STAGES if wide else STAGES
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -118,10 +107,9 @@ class MLADecodeFP8F16Sm90:
         rows = s_q * h
         f8 = cutlass.Float8E4M3FN
         f16 = cutlass.Float16
-        stages = self.stages
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
         (sK_layout, sPE_layout, sSc_layout), (tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma) = page_host_setup(
-            kv_ptr, rope_ptr, num_pages, stages)
+            kv_ptr, rope_ptr, num_pages, STAGES)
         mBT, mSeqlens, mOut, mLse, mPO, mPL = fp8_io_tensors(bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
                                                              batch, rows, max_pages, num_splits)
         if const_expr(self.ordered):
@@ -132,14 +120,8 @@ class MLADecodeFP8F16Sm90:
         atomh = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, f16, D_V), f16)
         sPt_layout = cute.tile_to_shape(atomh, (n, TILE_N, 2), order=(0, 1, 2))
-        if const_expr(self.wide):
-            # each consumer's 32 rows as a slab of its own (the third mode)
-            sQ_layout = cute.tile_to_shape(atomh, (n, D_V, 2), order=(0, 1, 2))
-            sQpe_layout = cute.tile_to_shape(atom16, (n, D_PE, 2), order=(0, 1, 2))
-        else:
-            sQ_layout = cute.tile_to_shape(atomh, (n, D_V), order=(0, 1))
-            sQpe_layout = cute.tile_to_shape(atom16, (n, D_PE), order=(0, 1))
-        q_rows = WIDE_ROWS if self.wide else n
+        sQ_layout = cute.tile_to_shape(atomh, (n, D_V), order=(0, 1))
+        sQpe_layout = cute.tile_to_shape(atom16, (n, D_PE), order=(0, 1))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             f16, f16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, n),
@@ -157,17 +139,15 @@ class MLADecodeFP8F16Sm90:
             sQpe: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQpe_layout)], 1024]
             sSc: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sSc_layout)], 128]
             vsc: cute.struct.Align[cute.struct.MemRange[Int32, 2 * 2 * VS_WORDS], 16]
-            full: cute.struct.MemRange[cutlass.Int64, stages]
-            inv2a: cute.struct.MemRange[Float32, q_rows]
+            full: cute.struct.MemRange[cutlass.Int64, STAGES]
+            inv2a: cute.struct.MemRange[Float32, n]
             red: cute.struct.MemRange[Float32, 2 * 2 * WARPS * n]
-            refill: cute.struct.MemRange[Int32, stages]     # wide: the consumers done with a stage's page
 
         self.shared_storage = SharedStorage
         self.kernel(mQ, tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
                     s_q, h, rows, num_splits, scale_log2, sK_layout, sPE_layout, sQ_layout, sPt_layout,
                     sQpe_layout, sSc_layout, tiled_mma_qk, tiled_mma_pe).launch(
-            grid=(cute.ceil_div(rows, WIDE_ROWS) if self.wide else 1, num_splits, batch), block=[THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+            grid=(1, num_splits, batch), block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom,
@@ -179,7 +159,7 @@ class MLADecodeFP8F16Sm90:
                tiled_mma_qk: cute.TiledMma, tiled_mma_pe: cute.TiledMma):
         n = self.n
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, split, batch = cute.arch.block_idx()
+        _, split, batch = cute.arch.block_idx()
         batch = grid_request(batch, mLse, mPO, self.ordered, self.is_split)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
@@ -191,10 +171,8 @@ class MLADecodeFP8F16Sm90:
         storage = smem.allocate(self.shared_storage)
         full = storage.full.data_ptr()
         if tidx == 0:
-            for s in cutlass.range_constexpr(self.stages):
+            for s in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(full + s, 1)
-                if const_expr(self.wide):
-                    storage.refill[s] = Int32(0)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -203,15 +181,11 @@ class MLADecodeFP8F16Sm90:
         sPt = storage.sPt.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
         sQpe = storage.sQpe.get_tensor(sQpe_layout.outer, swizzle=sQpe_layout.inner)
         sSc = storage.sSc.get_tensor(sSc_layout)
-        sInv = storage.inv2a.get_tensor(cute.make_layout(WIDE_ROWS if self.wide else n))
+        sInv = storage.inv2a.get_tensor(cute.make_layout(n))
         sRed = storage.red.get_tensor(cute.make_layout((n, WARPS, 2, 2),
                                                        stride=(1, n, WARPS * n, 2 * WARPS * n)))
         k_base = storage.sK.data_ptr().toint()
         vs_base = storage.vsc.data_ptr().toint() + c * (2 * VS_WORDS * 4)
-        # the request's first query row of this consumer's columns (wide: a 64-row block, 32 a consumer)
-        row_base = Int32(0)
-        if const_expr(self.wide):
-            row_base = m_block * WIDE_ROWS + c * n
 
         seqlen = mSeqlens[batch]
         start, n_tiles = page_split(seqlen, split, num_splits)
@@ -223,33 +197,22 @@ class MLADecodeFP8F16Sm90:
                 cpasync.prefetch_descriptor(tma_kv)
                 cpasync.prefetch_descriptor(tma_sc)
                 cpasync.prefetch_descriptor(tma_pe)
-            if const_expr(self.wide):
-                if c == 0:
-                    for p in cutlass.range_constexpr(WIDE_STAGES):
-                        if p < n_tiles:
-                            load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                                      mBT[batch, first_page + p], p, lane)
-            else:
-                for p in cutlass.range_constexpr(STAGES // 2):
-                    if c + 2 * p < n_tiles:
-                        load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                                  mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+            for p in cutlass.range_constexpr(STAGES // 2):
+                if c + 2 * p < n_tiles:
+                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                              mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
 
         # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers --
         _store_q_f16(mQ.iterator.toint(), batch, rows, tidx, n, storage.sQ.data_ptr().toint(),
-                     storage.sQpe.data_ptr().toint(), sInv, m_block * WIDE_ROWS if self.wide else Int32(0),
-                     2 if self.wide else 1)
+                     storage.sQpe.data_ptr().toint(), sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
 
         thr_qk = tiled_mma_qk.get_slice(ctid)
         thr_pe = tiled_mma_pe.get_slice(ctid)
-        tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ))                 # [.., 1, 32 k(, 2)]
+        tSrQ = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sQ))                 # [.., 1, 32 k]
         tSrKpe = tiled_mma_pe.make_fragment_A(thr_pe.partition_A(sPE))             # [.., 1, 4 k, stages]
-        tSrQpe = tiled_mma_pe.make_fragment_B(thr_pe.partition_B(sQpe))            # [.., 1, 4 k(, 2)]
-        if const_expr(self.wide):
-            tSrQ = tSrQ[None, None, None, c]          # this consumer's 32 rows
-            tSrQpe = tSrQpe[None, None, None, c]
+        tSrQpe = tiled_mma_pe.make_fragment_B(thr_pe.partition_B(sQpe))            # [.., 1, 4 k]
         tOrP = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sPt))                # [.., 1, 4 k, 2]
         acc_s = cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, n)), Float32)
         acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, n)), Float32) for _ in range(M_TILES)]
@@ -280,14 +243,11 @@ class MLADecodeFP8F16Sm90:
         fac = cute.make_rmem_tensor(slots, Float32)
         ks = cute.make_rmem_tensor((2, GROUPS), Int32)
         for s in cutlass.range_constexpr(slots):
-            vis[s] = visible_keys(seqlen, s_q, h, row_base + cols[s] if self.wide else cols[s], self.causal)
+            vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
             col_m[s] = -Float32.inf
             col_l[s] = 0.0
             m_base[s] = 0.0
-            if const_expr(self.wide):
-                fac[s] = sInv[c * n + cols[s]] * scale_log2
-            else:
-                fac[s] = sInv[cols[s]] * scale_log2
+            fac[s] = sInv[cols[s]] * scale_log2
         min_vis = first_masked_key(seqlen, s_q, self.causal)
         bar_red = BAR_RED + 2 * c
         bar_p = BAR_P + 2 * c
@@ -303,23 +263,18 @@ class MLADecodeFP8F16Sm90:
         vb_j = ctid % 8
         vb_key = 32 * (vb_j // 4) + 16 * ((vb_j // 2) % 2) + 2 * vb_c + vb_j % 2
 
-        # this consumer's pages: every page (wide), else t = c, c + 2, ...
-        stages = self.stages
-        stride = 1 if self.wide else 2
-        first_t = Int32(0) if self.wide else c
-        n_iter = n_tiles if self.wide else (n_tiles - c + 1) // 2
         next_page = Int32(0)
-        if warp == 0 and first_t + stages < n_tiles:
-            next_page = mBT[batch, first_page + first_t + stages]
-        for u in cutlass.range(n_iter, unroll=1):
-            t = first_t + stride * u
-            st = t % stages
+        if warp == 0 and c + STAGES < n_tiles:
+            next_page = mBT[batch, first_page + c + STAGES]
+        for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
+            t = c + 2 * u
+            st = t % STAGES
             tok0 = start + t * TILE_N
             valid = seqlen - tok0
             later_page = Int32(0)
-            if warp == 0 and t + stride + stages < n_tiles:
-                later_page = mBT[batch, first_page + t + stride + stages]
-            cute.arch.mbarrier_wait(full + st, (t // stages) % 2)
+            if warp == 0 and t + 2 + STAGES < n_tiles:
+                later_page = mBT[batch, first_page + t + 2 + STAGES]
+            cute.arch.mbarrier_wait(full + st, (t // STAGES) % 2)
             stage_base = k_base + st * KV_BYTES
             if valid < TILE_N:
                 # e4m3 0xFF is NaN and 0 * NaN is NaN: the rows past the request become zeros before any MMA
@@ -424,19 +379,10 @@ class MLADecodeFP8F16Sm90:
                         vbuf[4 * kk + 2] = hi0
                         vbuf[4 * kk + 3] = hi1
                 if const_expr(m == M_TILES - 1):
-                    # the stage's last ldmatrix is done: refill it with page t + stages before the last products
-                    # (wide: the second consumer to be done with it, by an acq_rel count of the two a page)
+                    # the stage's last ldmatrix is done: refill it with page t + 4 before the last products
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-                    if const_expr(self.wide):
-                        if warp == 0:
-                            old = Int32(0)
-                            if lane == 0:
-                                old = _atom_add_shared(storage.refill.data_ptr().toint() + st * 4, 1)
-                            if cute.arch.shuffle_sync(old, 0) % 2 == 1 and t + stages < n_tiles:
-                                load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page,
-                                          st, lane)
-                    elif warp == 0 and t + stages < n_tiles:
+                    if warp == 0 and t + STAGES < n_tiles:
                         load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(TILE_N // 16):
@@ -446,56 +392,37 @@ class MLADecodeFP8F16Sm90:
             next_page = later_page
 
         vals = cute.size(acc_o[0])
-        if const_expr(self.wide):
-            # -- each consumer's own 32 rows: whole column sums, normalize, store --
-            inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (n_tiles % 2, c), bar_red,
-                                        CONSUMER_THREADS)
-            store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, row_base, rows, batch, split, mOut, mLse, mPO,
-                       mPL, n, self.is_split)
+        # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
+        merge, merge_ml = stash_tensors(
+            [cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32) for p in range(2)],
+            cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32), vals, slots, CONSUMER_THREADS)
+        if c == 1:
+            stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
+            cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
         else:
-            # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
-            merge, merge_ml = stash_tensors(
-                [cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32) for p in range(2)],
-                cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32), vals, slots, CONSUMER_THREADS)
-            if c == 1:
-                stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
-                cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-            else:
-                cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-                merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, n)
+            cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+            merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, n)
 
-                # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
-                par = (n_tiles + 1) // 2 % 2
-                inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED,
-                                            CONSUMER_THREADS)
-                store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, None, rows, batch, split, mOut, mLse, mPO,
-                           mPL, n, self.is_split)
-
+            # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
+            par = (n_tiles + 1) // 2 % 2
+            inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
+            store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL, n,
+                       self.is_split)
 
 @cute.jit
 def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int],
-                 q_base_s: Int32, qpe_base: Int32, sInv: cute.Tensor, row0: Int32, slabs: cutlass.Constexpr[int]):
+                 q_base_s: Int32, qpe_base: Int32, sInv: cute.Tensor):
     """Q * 2^a into sQ [n, 512] f16 (128-byte swizzle: 64-column boxes of n rows, n * 128 bytes apart; 16-byte
     chunk j of a row at j ^ (row % 8)), each 16-column group's columns in Q_PERM's order; Q_pe * 2^a into sQpe
     [n, 64] bf16 likewise; 2^-a into sInv. a per query row r: its largest |q_nope| in [2^7, 2^8) (_pow2_scale).
-    `slabs` (2: wide) such [n, ...] tensors one after the other, for the request's rows row0 + n * slab + r.
-    256 / (n slabs) threads a row; thread `part` takes the row's 16-column groups part + (256 / (n slabs)) j, and
-    its rope chunks part + (256 / (n slabs)) j of the 8 (wide: 4 threads a row, two chunks each). Rows past `rows`
-    are zeros."""
-    per_row = THREADS // (n * slabs)
+    256 / n threads a row; thread `part` takes the row's 16-column groups part + (256 / n) j, and parts < 8 the
+    rope chunk part. Rows past `rows` are zeros."""
+    per_row = THREADS // n
     groups = (D_V // 16) // per_row
-    rs = tidx // per_row                  # the CTA's row: slab rs // n, row r of it
-    r = rs
-    slab = 0
-    if const_expr(slabs > 1):
-        r = rs % n
-        slab = rs // n
+    r = tidx // per_row
     part = tidx % per_row
-    grow = rs                             # the request's row
-    if const_expr(slabs > 1):
-        grow = row0 + rs
-    rr = grow
-    if grow >= rows:
+    rr = r
+    if r >= rows:
         rr = 0
     row_addr = q_base + cutlass.Int64(batch * rows + rr) * (D_QK * 2)
     words = cute.make_rmem_tensor(8 * groups, Int32)
@@ -505,15 +432,13 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
             w = _ld_global_v4_b32(row_addr + (col + 8 * e) * 2)
             for x in cutlass.range_constexpr(4):
                 words[8 * j + 4 * e + x] = w[x]
-    pe_chunks = (D_PE // 8 + per_row - 1) // per_row     # 16-byte rope chunks a thread
-    pe = cute.make_rmem_tensor(4 * pe_chunks, Int32)
+    pe = cute.make_rmem_tensor(4, Int32)
     pe.fill(0)
-    for j in cutlass.range_constexpr(pe_chunks):
-        if part + per_row * j < D_PE // 8:
-            w = _ld_global_v4_b32(row_addr + (D_V + 8 * (part + per_row * j)) * 2)
-            for x in cutlass.range_constexpr(4):
-                pe[4 * j + x] = w[x]
-    if grow >= rows:
+    if part < D_PE // 8:
+        w = _ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
+        for x in cutlass.range_constexpr(4):
+            pe[x] = w[x]
+    if r >= rows:
         words.fill(0)
         pe.fill(0)
     amax = Float32(0.0)
@@ -532,32 +457,18 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
         box = g16 // 4
         for half in cutlass.range_constexpr(2):
             chunk = 2 * (g16 % 4) + half
-            addr = (q_base_s + slab * (n * D_V * 2) + box * (n * 128) + (r // 8) * 1024 + (r % 8) * 128
-                    + ((chunk ^ (r % 8)) * 16))
+            addr = q_base_s + box * (n * 128) + (r // 8) * 1024 + (r % 8) * 128 + ((chunk ^ (r % 8)) * 16)
             _st_shared_words(addr, [hw[half], hw[2 + half], hw[4 + half], hw[6 + half]])
     if part == 0:
-        sInv[rs] = 1.0 / scale
-    for j in cutlass.range_constexpr(pe_chunks):
-        pc = part + per_row * j
-        if pc < D_PE // 8:
-            pw = [_scaled_pair(pe[4 * j + e], scale, "bf16") for e in range(4)]
-            _st_shared_words(qpe_base + slab * (n * D_PE * 2) + (r // 8) * 1024 + (r % 8) * 128 + (pc ^ (r % 8)) * 16,
-                             pw)
-
+        sInv[r] = 1.0 / scale
+    if part < D_PE // 8:
+        pw = [_scaled_pair(pe[e], scale, "bf16") for e in range(4)]
+        _st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16, pw)
 
 def _scaled_pair(w: Int32, scale: Float32, kind: str) -> Int32:
     """A word's two bf16 times `scale` (a power of 2), as an f16 or (exactly) a bf16 pair."""
     lo, hi = _bf16x2_to_f32(w)
     return _cvt_pair(lo * scale, hi * scale, kind)
-
-
-@dsl_user_op
-def _atom_add_shared(addr: Int32, v: int, *, loc=None, ip=None) -> Int32:
-    """atomicAdd on a shared-memory word with acquire-release ordering (CTA scope) -> the old value."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(addr).ir_value(loc=loc, ip=ip)],
-        f"atom.acq_rel.cta.shared::cta.add.u32 $0, [$1], {v};", "=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op

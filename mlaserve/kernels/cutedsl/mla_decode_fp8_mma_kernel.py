@@ -392,7 +392,7 @@ class MLADecodeFP8MmaSm90:
             par = (n_tiles + 1) // 2 % 2
             inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
             if const_expr(self.vec_io):
-                store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, None, rows, batch, split, mOut, mLse, mPO, mPL,
+                store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL,
                            N, self.is_split)
             else:
                 for m in cutlass.range_constexpr(M_TILES):
