@@ -40,8 +40,8 @@
 #                     hangs then fails by name instead of the phase being killed with nothing said)
 #   T_PYTEST 150  T_SPARSE 90  T_INDEXER 45  T_TUNE 250 (per tuning script)   seconds; T_DENSE defaults to
 #                     what is left after reserving the later suites (about 200 s when the GPU tests take 150 s)
-# Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log cutedsl_sparse.log
-#   splits.log gluon.log script.log
+# Files back in $OUT (at most 8, flat): device.log pytest.log bench.log kernels.json kernels.png cutedsl.log
+#   cutedsl_sparse.log splits.log gluon.log script.log
 #   and with tune: tune.log tune_mla_decode.json tune_sparse.json
 # The last thing printed is a short table (phases, then the headline kernel shapes).
 
@@ -92,8 +92,9 @@ if has_phase env; then
   {
     echo "== nvidia-smi"; timeout 30 nvidia-smi
     echo "== versions"
-    timeout 60 python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, \
-'cuda', torch.version.cuda, '| triton', triton.__version__, '| gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() \
+    timeout 60 python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', \
+torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| gpu', \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() \
 else None, torch.cuda.device_count(), 'devices')"
     echo "== commit: $(cat .peers/GIT_COMMIT 2>/dev/null || echo unknown)"
   } >>"$LOG" 2>&1
@@ -122,7 +123,8 @@ fi
 if [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]; then
   # the package adds these through a .pth file, which --target installs do not read
   export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
-  say "== cutedsl: on the path ($(python3 -c 'import cutlass, sys; sys.stdout.write(cutlass.__file__)' 2>&1 | tail -c 200))"
+  where=$(python3 -c 'import cutlass, sys; sys.stdout.write(cutlass.__file__)' 2>&1 | tail -c 200)
+  say "== cutedsl: on the path ($where)"
 fi
 
 # -- install: FlashInfer (pruned package + tvm-ffi wheel) and any carried wheels into /tmp/site --
@@ -172,7 +174,8 @@ if has_phase cutedsl; then
   fi
 fi
 
-# -- the Gluon decodes (mla_decode_gluon.py, mla_decode_gluon_narrow.py): odd shapes against the reference, then timed --
+# -- the Gluon decodes (mla_decode_gluon.py, mla_decode_gluon_narrow.py): odd shapes against the reference, then
+#    timed --
 if has_phase gluon; then
   run_phase gluon-check "$(limit "${T_GLUON:-200}")" "$OUT/gluon.log" python3 scripts/gluon_check.py
   run_phase gluon-narrow-check "$(limit "${T_GLUON:-200}")" "$OUT/gluon.log" python3 scripts/gluon_narrow_check.py
@@ -308,5 +311,6 @@ for line in "${SUMMARY[@]}"; do say "  $line"; done
 say "== files in OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 if [ -f "$OUT/kernels.json" ]; then
   say "== kernels (headline shapes; every row is in kernels.json, every table line in bench.log)"
-  timeout 60 python3 -m mlaserve.cli bench kernels --report --brief --out "$OUT" 2>&1 | grep -v "^wrote " | tee -a "$LOG"
+  timeout 60 python3 -m mlaserve.cli bench kernels --report --brief --out "$OUT" 2>&1 | grep -v "^wrote " \
+    | tee -a "$LOG"
 fi

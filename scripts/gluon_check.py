@@ -59,7 +59,8 @@ def check() -> int:
              ([5, 300, 64, 129], 1, 128, True, 3), ([2000, 0, 70, 4096], 1, 64, True, 4),
              ([1000 + 31 * i for i in range(128)], 1, 128, True, None), ([4096] * 132, 2, 64, True, None),
              # rows that are not a multiple of 64: padded tiles, rows past s_q * h never stored
-             ([100, 1, 3000], 1, 16, True, None), ([100, 1, 3000, 65], 1, 32, True, 2), ([5, 700, 4000], 3, 20, True, None),
+             ([100, 1, 3000], 1, 16, True, None), ([100, 1, 3000, 65], 1, 32, True, 2),
+             ([5, 700, 4000], 3, 20, True, None),
              ([129, 2, 64], 3, 128, True, None), ([3000] * 5, 2, 8, True, None)]
     failed = check_shapes(cases, lambda lens, s_q, h, seed: make_case(lens, s_q, h, torch.bfloat16, seed), run,
                           lambda kv: kv.double())
@@ -110,7 +111,8 @@ def timings() -> None:
             res[name] = us
         print(f"b{b} s_q{s_q} h{h} s_k{s_k}: " + "  ".join(
             f"{k} {v:7.1f} us {nbytes / v / 1e6:5.2f} TB/s {flops / v / 1e6:6.1f} TFLOP/s" for k, v in res.items()
-            if not k.endswith("fp8")) + "  " + "  ".join(f"{k} {v:7.1f} us" for k, v in res.items() if k.endswith("fp8"))
+            if not k.endswith("fp8"))
+            + "  " + "  ".join(f"{k} {v:7.1f} us" for k, v in res.items() if k.endswith("fp8"))
             + f"  gluon/tl {res['tl'] / res['gluon']:.2f}x"
             + (f"  gluon-fp8 vs gluon(bf16) {res['gluon'] / res['gluon-fp8']:.2f}x, vs tl-fp8 "
                f"{res['tl-fp8'] / res['gluon-fp8']:.2f}x" if FP8_TIMINGS else ""), flush=True)

@@ -7,8 +7,9 @@ Compute (`ncu --profile-from-start off`): what the counters say where the timing
 A run is "BACKEND SHAPE [NAME=VALUE ...]" with BACKEND an mlaserve kernel backend (triton, cutedsl, ...) or a peer
 (flashinfer), SHAPE as scripts/decode_ab.py reads it, and NAME=VALUE module switches of the backend's decode
 module set for that run (a Python literal, e.g. "cutedsl b128 h128 sq2 sk4096 STREAM_K_MIN_TILES=0"); SEED=N
-makes that run's inputs with seed N instead of --seed's. Each is called once outside the profiled range first (compiling and
-planning there), then once inside it, so that every kernel of that one call is profiled, in the order printed.
+makes that run's inputs with seed N instead of --seed's. Each is called once outside the profiled range first
+(compiling and planning there), then once inside it, so that every kernel of that one call is profiled, in the order
+printed.
 scripts/device_run.sh's phase "ncu" runs this under ncu and exports the report's pages as CSV.
 """
 

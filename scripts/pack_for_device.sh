@@ -93,5 +93,6 @@ echo "packed for commit $commit:"
 du -sh .peers/* | sed 's/^/  /'
 total_mb=$(du -sm .peers | cut -f1)
 if [ "$total_mb" -gt 48 ]; then
-  echo "WARNING: .peers is ${total_mb} MB; with the working tree it must stay under the 64 MiB a device call carries" >&2
+  echo "WARNING: .peers is ${total_mb} MB; with the working tree it must stay under the 64 MiB a device call" \
+    "carries" >&2
 fi
