@@ -123,8 +123,9 @@ def store_rows(acc_o: list, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Ten
                warp: Int32, rows: Int32, batch: Int32, split: Int32, mOut: cute.Tensor,
                mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, n: cutlass.Constexpr[int],
                is_split: cutlass.Constexpr[bool]):
-    """O^T normalized into the request's rows (bf16 out, or the split's fp32 partials), and each column's lse. Values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; v_dim): one
-    4-byte (bf16) or 8-byte (fp32 partials) store a pair."""
+    """O^T normalized into the request's rows (bf16 out, or the split's fp32 partials), and each column's lse.
+    Values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; v_dim): one 4-byte (bf16) or 8-byte (fp32
+    partials) store a pair."""
     out_base = mPO.iterator.toint() if const_expr(is_split) else mOut.iterator.toint()
     row0 = batch * rows
     if const_expr(is_split):
