@@ -16,12 +16,16 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N
 from mlaserve.kernels.cutedsl.keys_on_m import col_slot, store_lse
+from mlaserve.kernels.cutedsl.mla_decode_kernel import grid_request, page_split
 
 GROUPS = 4            # scale groups of 128 columns
 M_TILES = D_V // 64   # O^T's 64-dim tiles
 KV_BYTES = TILE_N * D_V
 SCALE_BYTES = TILE_N * GROUPS * 4
 CONSUMER_THREADS = 128
+THREADS = 256         # two consumer warpgroups, no producer
+WARPS = 4             # a consumer's warps
+STAGES = 4            # consumer c owns stages c and c + 2 (pages t = c, c + 2, ...)
 
 
 def page_host_setup(kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, num_pages: Int32, stages: int):
@@ -50,6 +54,56 @@ def page_host_setup(kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, num_pages: Int
     tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, cute.slice_(sPE_layout, (None, None, 0)),
                                                   (TILE_N, D_PE))
     return (sK_layout, sPE_layout, sSc_layout), (tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma)
+
+
+@cute.jit
+def kernel_start(shared_storage, mLse: cute.Tensor, mPO: cute.Tensor, ordered: cutlass.Constexpr[bool],
+                 is_split: cutlass.Constexpr[bool]):
+    """A kernel's first steps: its indices (the request through the grid's order), its smem struct, the stages'
+    full barriers initialized and fenced -> (tidx, split, batch, lane, c, ctid, warp, storage, full), c the
+    consumer, ctid its thread, warp its warp."""
+    tidx, _, _ = cute.arch.thread_idx()
+    _, split, batch = cute.arch.block_idx()
+    batch = grid_request(batch, mLse, mPO, ordered, is_split)
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = tidx % 32
+    c = warp_idx // WARPS
+    ctid = tidx - CONSUMER_THREADS * c
+    warp = warp_idx % WARPS
+    smem = utils.SmemAllocator()
+    storage = smem.allocate(shared_storage)
+    full = storage.full.data_ptr()
+    if tidx == 0:
+        for s in cutlass.range_constexpr(STAGES):
+            cute.arch.mbarrier_init(full + s, 1)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    return tidx, split, batch, lane, c, ctid, warp, storage, full
+
+
+@cute.jit
+def first_pages(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom, mSc_tma: cute.Tensor,
+                tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, sK: cute.Tensor, sSc: cute.Tensor, sPE: cute.Tensor,
+                mBT: cute.Tensor, mSeqlens: cute.Tensor, batch: Int32, split: Int32, num_splits: Int32, c: Int32,
+                warp: Int32, lane: Int32, full: cute.Pointer):
+    """The split's pages and the TMA partitions; each consumer's warp 0 loads its first two pages (consumer 0's
+    first prefetches the descriptors) -> (seqlen, start, n_tiles, first_page, partitions as load_page takes
+    them)."""
+    seqlen = mSeqlens[batch]
+    start, n_tiles = page_split(seqlen, split, num_splits)
+    first_page = start // TILE_N
+
+    tKs, tKg, tSs, tSg, tPs, tPg = page_partitions(tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE)
+    if warp == 0:
+        if c == 0:
+            cpasync.prefetch_descriptor(tma_kv)
+            cpasync.prefetch_descriptor(tma_sc)
+            cpasync.prefetch_descriptor(tma_pe)
+        for p in cutlass.range_constexpr(STAGES // 2):
+            if c + 2 * p < n_tiles:
+                load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                          mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+    return seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg)
 
 
 def page_partitions(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom, mSc_tma: cute.Tensor,
@@ -152,6 +206,23 @@ def load_page(tma_kv: cute.CopyAtom, tKg: cute.Tensor, tKs: cute.Tensor, tma_sc:
     cute.copy(tma_kv, tKg[None, page], tKs[None, st], tma_bar_ptr=full + st)
     cute.copy(tma_sc, tSg[None, page], tSs[None, st], tma_bar_ptr=full + st)
     cute.copy(tma_pe, tPg[None, page], tPs[None, st], tma_bar_ptr=full + st)
+
+
+@cute.jit
+def wait_page(full: cute.Pointer, t: Int32, k_base: Int32, start: Int32, seqlen: Int32, ctid: Int32, bar_p: Int32):
+    """A consumer's wait for page t of the split -> (stage, first token, the request's tokens from it, the stage's
+    e4m3 base address); on a last page the rows past the request are zeroed first (bar_p: the consumer's own)."""
+    st = t % STAGES
+    tok0 = start + t * TILE_N
+    valid = seqlen - tok0
+    cute.arch.mbarrier_wait(full + st, (t // STAGES) % 2)
+    stage_base = k_base + st * KV_BYTES
+    if valid < TILE_N:
+        # e4m3 0xFF is NaN and 0 * NaN is NaN: the rows past the request become zeros before any MMA
+        zero_rows(stage_base, valid, ctid)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+    return st, tok0, valid, stage_base
 
 
 @cute.jit

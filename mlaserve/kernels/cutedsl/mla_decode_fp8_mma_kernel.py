@@ -41,23 +41,21 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.boxed_pages import (
-    CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, load_page, merge_stash, page_host_setup, page_partitions,
-    stash_consumer, stash_tensors, store_rows, v_dim, zero_rows)
+    CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start, load_page,
+    merge_stash, page_host_setup,
+    stash_consumer, stash_tensors, store_rows, v_dim, wait_page)
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
-    first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
+    first_masked_key, ordered_tensors, visible_keys)
 
 N = 16                # query rows a CTA
 NH = 2 * N            # hi and lo parts on wgmma's N
-STAGES = 4            # consumer c owns stages c and c + 2
-THREADS = 256
-WARPS = 4
 BAR_Q = 1             # both consumers: Q's parts stored
 BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
 BAR_RED = 3           # + 2 c: consumer c's 4 warps: column and scale maxima (then sums); a page's stage read
@@ -141,23 +139,8 @@ class MLADecodeFP8MmaSm90:
                sK_layout: cute.ComposedLayout, sPE_layout: cute.ComposedLayout, sQ8_layout: cute.ComposedLayout,
                sPt_layout: cute.ComposedLayout, sQpe_layout: cute.ComposedLayout, sSc_layout: cute.Layout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pe: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
-        tidx, _, _ = cute.arch.thread_idx()
-        _, split, batch = cute.arch.block_idx()
-        batch = grid_request(batch, mLse, mPO, self.ordered, self.is_split)
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = tidx % 32
-        c = warp_idx // WARPS
-        ctid = tidx - CONSUMER_THREADS * c
-        warp = warp_idx % WARPS
-
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        full = storage.full.data_ptr()
-        if tidx == 0:
-            for s in cutlass.range_constexpr(STAGES):
-                cute.arch.mbarrier_init(full + s, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        tidx, split, batch, lane, c, ctid, warp, storage, full = kernel_start(
+            self.shared_storage, mLse, mPO, self.ordered, self.is_split)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sPE = storage.sPE.get_tensor(sPE_layout.outer, swizzle=sPE_layout.inner)
         sQ8 = storage.sQ8.get_tensor(sQ8_layout.outer, swizzle=sQ8_layout.inner)
@@ -169,20 +152,9 @@ class MLADecodeFP8MmaSm90:
                                                        stride=(1, RED_SLOTS, WARPS * RED_SLOTS, 2 * WARPS * RED_SLOTS)))
         k_base = storage.sK.data_ptr().toint()
 
-        seqlen = mSeqlens[batch]
-        start, n_tiles = page_split(seqlen, split, num_splits)
-        first_page = start // TILE_N
-
-        tKs, tKg, tSs, tSg, tPs, tPg = page_partitions(tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE)
-        if warp == 0:
-            if c == 0:
-                cpasync.prefetch_descriptor(tma_kv)
-                cpasync.prefetch_descriptor(tma_sc)
-                cpasync.prefetch_descriptor(tma_pe)
-            for p in cutlass.range_constexpr(STAGES // 2):
-                if c + 2 * p < n_tiles:
-                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                              mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+        seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg) = first_pages(
+            tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE, mBT, mSeqlens, batch, split, num_splits,
+            c, warp, lane, full)
 
         # -- Q's parts, both consumers: 16 threads a row --
         if const_expr(self.vec_io):
@@ -246,20 +218,11 @@ class MLADecodeFP8MmaSm90:
                 next_page = mBT[batch, first_page + c + STAGES]
         for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
             t = c + 2 * u
-            st = t % STAGES
-            tok0 = start + t * TILE_N
-            valid = seqlen - tok0
             later_page = Int32(0)
             if const_expr(self.bt_ahead):
                 if warp == 0 and t + 2 + STAGES < n_tiles:
                     later_page = mBT[batch, first_page + t + 2 + STAGES]
-            cute.arch.mbarrier_wait(full + st, (t // STAGES) % 2)
-            stage_base = k_base + st * KV_BYTES
-            if valid < TILE_N:
-                # e4m3 0xFF is NaN and 0 * NaN is NaN: the rows past the request become zeros before any MMA
-                zero_rows(stage_base, valid, ctid)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+            st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
             for hr in cutlass.range_constexpr(2):
                 keep = k0 + 8 * hr < valid
                 for g in cutlass.range_constexpr(GROUPS):
