@@ -25,6 +25,8 @@ switches, read at launch (so captured with each graph):
                  the refill (FP8 shapes of <= 32 rows)
   FP8_MMA_VEC_IO cutedsl: the FP8-MMA kernel's Q in 16-byte loads and O in bf16 pairs against value by value
   FP8_MMA_EARLY_REFILL cutedsl: the FP8-MMA kernel refilling a stage after its last V^T read against after the page
+  FP8_EARLY_START  cutedsl: the f16-register FP8 kernel's Q reads issued before its first pages' loads (and, unsplit,
+                 those pages' block-table entries read beside the request's length) against after them
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -248,6 +250,7 @@ SWITCHES = {
     "GRID_ORDER": ("triton", _grid_order),
     "FP8_MMA_VEC_IO": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_VEC_IO")),
     "FP8_MMA_EARLY_REFILL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_EARLY_REFILL")),
+    "FP8_EARLY_START": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_EARLY_START")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
     "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),

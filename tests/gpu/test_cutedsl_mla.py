@@ -658,6 +658,30 @@ def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
     torch.testing.assert_close(out.float(), out0.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("lens, s_q, h, num_splits", [
+    ([1, 63, 64, 4096], 1, 16, 1),          # unsplit: the first pages' block-table entries read early
+    ([1, 2], 1, 32, 1),                     # a one-column block table (the early reads stay inside it)
+    ([5, 300, 64, 1], 1, 32, None),
+    ([2, 65, 1000, 129], 2, 16, None),      # 32 rows, causal among the new tokens
+    ([3000, 17, 64, 2000], 1, 32, 4),       # split: Q's reads early, the entries after the length
+    ([0, 1, 2], 2, 8, 3),                   # an empty request, splits past the end
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
+def test_fp8_early_start_gives_the_same_bits(monkeypatch, lens, s_q, h, num_splits):
+    """mla_decode.FP8_EARLY_START (the f16-register kernel's Q reads ahead of its first page loads, and unsplit,
+    those pages' block-table entries beside the request's length): on NaN-poisoned unused slots, against the
+    reference on the cache's exact entries, and the same bits as the default start."""
+    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 7 * h)
+    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:   # however short the splits
+                        cd.FP8_F16 and kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
+    monkeypatch.setattr(cd, "FP8_EARLY_START", False)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, "FP8_EARLY_START", True)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens))
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_EARLY_START changed the bits"
+
+
 @pytest.mark.parametrize("h", [16, 32])
 def test_fp8_f16_cuda_graph_replay_equals_eager(monkeypatch, h):
     """A captured step of the f16-register kernel, taken for every split, replays to eager's bits and meets the

@@ -85,10 +85,17 @@ def kernel_start(shared_storage, mLse: cute.Tensor, mPO: cute.Tensor, ordered: c
 def first_pages(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom, mSc_tma: cute.Tensor,
                 tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, sK: cute.Tensor, sSc: cute.Tensor, sPE: cute.Tensor,
                 mBT: cute.Tensor, mSeqlens: cute.Tensor, batch: Int32, split: Int32, num_splits: Int32, c: Int32,
-                warp: Int32, lane: Int32, full: cute.Pointer):
+                warp: Int32, lane: Int32, full: cute.Pointer, bt_early: cutlass.Constexpr[bool] = False):
     """The split's pages and the TMA partitions; each consumer's warp 0 loads its first two pages (consumer 0's
     first prefetches the descriptors) -> (seqlen, start, n_tiles, first_page, partitions as load_page takes
-    them)."""
+    them). bt_early (unsplit launches, whose first page is 0): those pages' block-table entries are read beside
+    the request's length instead of after it, so that the first loads wait for one global read, not two."""
+    early = []
+    if const_expr(bt_early):
+        for p in cutlass.range_constexpr(STAGES // 2):
+            # a column within the table whatever the request's length (its entry is used only below that length)
+            col = cutlass.min(c + 2 * p, mBT.shape[1] - 1)
+            early.append(ld_global_b32(mBT.iterator.toint() + cutlass.Int64(batch * mBT.shape[1] + col) * 4))
     seqlen = mSeqlens[batch]
     start, n_tiles = page_split(seqlen, split, num_splits)
     first_page = start // TILE_N
@@ -101,8 +108,11 @@ def first_pages(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAt
             cpasync.prefetch_descriptor(tma_pe)
         for p in cutlass.range_constexpr(STAGES // 2):
             if c + 2 * p < n_tiles:
-                load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
-                          mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
+                if const_expr(bt_early):
+                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, early[p], c + 2 * p, lane)
+                else:
+                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
+                              mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
     return seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg)
 
 
@@ -241,6 +251,15 @@ def v_dim(m_row: Int32) -> Int32:
     """The dim (within a 64-dim M tile) of O^T's M row `m_row`."""
     i = m_row % 16
     return 16 * (m_row // 16) + 2 * (i % 8) + i // 8
+
+
+@dsl_user_op
+def ld_global_b32(addr: cutlass.Int64, *, loc=None, ip=None) -> Int32:
+    """The word at global address `addr`, read where the program reads it: volatile, which neither LLVM nor ptxas
+    moves (ptxas sank a plain load into the branch that used it, past the reads that came after it)."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)], "ld.volatile.global.b32 $0, [$1];", "=r,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op

@@ -240,6 +240,10 @@ FP8_MMA = True
 # h32 8k / 32k 1.064 / 1.127x, h16 s_q2 8k 1.067x, h16 4k / 8k / 32k 1.018 / 1.013 / 1.007x, h32 4k 0.996x, b16 h32
 # / h16 32k 1.026 / 1.018x; with fewer pages a split 0.95-0.99x (b4 h32 32k, b1 h16 32k), which the bound keeps out
 FP8_F16 = True
+# The f16-register FP8 kernel's start: Q's global reads issued before the first pages' TMA loads instead of after
+# them (where they queue behind the whole grid's first pages: ~21 MB at b128), and in unsplit launches those pages'
+# block-table entries read beside the request's length instead of after it. Not yet measured on a GPU (off)
+FP8_EARLY_START = False
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -450,7 +454,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if not (kv_fp8 and narrow) or fp8_mma:
             raise ValueError(f"the FP8 f16 kernel takes FP8 KV at 16 or 32 rows, got kv_fp8={kv_fp8}, "
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
-        key += ("fp8-f16",)
+        key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -472,7 +476,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         t0 = time.perf_counter()
         if fp8_f16:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered),
+            fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
+                                                       early_start=FP8_EARLY_START),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

@@ -87,7 +87,7 @@ class MLADecodeFP8F16Sm90:
     """Compiled per (causal, split, n); q, out bf16. Launched by mla_decode.py through `__call__`, with the
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
-    def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False):
+    def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         self.dtype = cutlass.BFloat16
@@ -95,6 +95,9 @@ class MLADecodeFP8F16Sm90:
         self.is_split = is_split
         self.n = n
         self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
+        # Q's global reads issued before the first pages' loads (which they otherwise queue behind), and, unsplit,
+        # those pages' block-table entries read beside the request's length (mla_decode.FP8_EARLY_START)
+        self.early_start = early_start
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -170,13 +173,17 @@ class MLADecodeFP8F16Sm90:
         k_base = storage.sK.data_ptr().toint()
         vs_base = storage.vsc.data_ptr().toint() + c * (2 * VS_WORDS * 4)
 
+        # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers; its reads go out
+        # first where early_start --
+        if const_expr(self.early_start):
+            q_words, q_pe = _load_q(mQ.iterator.toint(), batch, rows, tidx, n)
         seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg) = first_pages(
             tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE, mBT, mSeqlens, batch, split, num_splits,
-            c, warp, lane, full)
-
-        # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers --
-        _store_q_f16(mQ.iterator.toint(), batch, rows, tidx, n, storage.sQ.data_ptr().toint(),
-                     storage.sQpe.data_ptr().toint(), sInv)
+            c, warp, lane, full, bt_early=self.early_start and not self.is_split)
+        if const_expr(not self.early_start):
+            q_words, q_pe = _load_q(mQ.iterator.toint(), batch, rows, tidx, n)
+        _store_q_f16(q_words, q_pe, rows, tidx, n, storage.sQ.data_ptr().toint(), storage.sQpe.data_ptr().toint(),
+                     sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
 
@@ -373,13 +380,10 @@ class MLADecodeFP8F16Sm90:
                        self.is_split)
 
 @cute.jit
-def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int],
-                 q_base_s: Int32, qpe_base: Int32, sInv: cute.Tensor):
-    """Q * 2^a into sQ [n, 512] f16 (128-byte swizzle: 64-column boxes of n rows, n * 128 bytes apart; 16-byte
-    chunk j of a row at j ^ (row % 8)), each 16-column group's columns in Q_PERM's order; Q_pe * 2^a into sQpe
-    [n, 64] bf16 likewise; 2^-a into sInv. a per query row r: its largest |q_nope| in [2^7, 2^8) (_pow2_scale).
-    256 / n threads a row; thread `part` takes the row's 16-column groups part + (256 / n) j, and parts < 8 the
-    rope chunk part. Rows past `rows` are zeros."""
+def _load_q(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int]):
+    """This thread's part of its query row (_store_q_f16 says which), read from global memory -> (words of its
+    16-column groups [8 * groups], rope words [4]: zeros for parts >= 8); rows past `rows` read row 0 (nothing
+    here waits for the reads: _store_q_f16 zeroes those rows)."""
     per_row = THREADS // n
     groups = (D_V // 16) // per_row
     r = tidx // per_row
@@ -401,6 +405,21 @@ def _store_q_f16(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, 
         w = _ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
         for x in cutlass.range_constexpr(4):
             pe[x] = w[x]
+    return words, pe
+
+
+@cute.jit
+def _store_q_f16(words: cute.Tensor, pe: cute.Tensor, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int],
+                 q_base_s: Int32, qpe_base: Int32, sInv: cute.Tensor):
+    """Q * 2^a into sQ [n, 512] f16 (128-byte swizzle: 64-column boxes of n rows, n * 128 bytes apart; 16-byte
+    chunk j of a row at j ^ (row % 8)), each 16-column group's columns in Q_PERM's order; Q_pe * 2^a into sQpe
+    [n, 64] bf16 likewise; 2^-a into sInv; from _load_q's words. a per query row r: its largest |q_nope| in
+    [2^7, 2^8) (_pow2_scale). 256 / n threads a row; thread `part` takes the row's 16-column groups
+    part + (256 / n) j, and parts < 8 the rope chunk part. Rows past `rows` are zeros."""
+    per_row = THREADS // n
+    groups = (D_V // 16) // per_row
+    r = tidx // per_row
+    part = tidx % per_row
     if r >= rows:
         words.fill(0)
         pe.fill(0)
