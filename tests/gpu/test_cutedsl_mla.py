@@ -362,21 +362,27 @@ def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min
                                          (64, 1, True)])
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
     """mla_decode.BALANCE_SPLITS_MAX_ROWS (64 here): a one-wave step of <= 64-row requests of varied lengths
-    (4096 +- 50%), planned with its host lengths, runs as two splits a request (the 16-bit kernels, the FP8-MMA and
-    keys-on-M FP8 kernels and the 64-row FP8 kernel, split), NaN-poisoned unused slots: within the reference's
-    tolerances."""
+    (4096 +- 50%), planned with its host lengths, runs as two splits a request (the 16-bit kernels, the f16-register
+    FP8 kernel and the 64-row FP8 kernel, split), NaN-poisoned unused slots: within the reference's tolerances.
+    FP8: the reference on the values each kernel multiplies, the cache's exact entries where the f16-register kernel
+    runs (it rounds each e4m3 * scale to f16), else the entries dequantized to bf16 (the 64-row kernel's tile). At
+    h16 s_q2 the two references differ by more than the tolerance at 2 of 2 M outputs (bench/NOTES.md 134)."""
     monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64)
     b = min(128, torch.cuda.get_device_properties(0).multi_processor_count)
     gen = torch.Generator().manual_seed(h + s_q + fp8)
     lens = (4096 + (torch.rand(b, generator=gen) * 2 - 1) * 2048).long().tolist()
     if fp8:
         q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=h + s_q)
-        ref = check.fp8_reference(q, kv, table, seqlens)
     else:
         q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=h + s_q)
-        ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
     plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, fp8, q.device, seqlens=lens)
     assert plan.num_splits == 2
+    if not fp8:
+        ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
+    elif cd.uses_fp8_f16(True, s_q * h, table.shape[1], plan.num_splits):
+        ref = check.fp8_exact_reference(q, kv, table, seqlens)
+    else:
+        ref = check.fp8_reference(q, kv, table, seqlens)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
     ok, max_err, why = check.compare(out, lse, *ref)
     assert ok, f"max abs err {max_err:.2e}: {why}"
@@ -665,6 +671,7 @@ def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
     ([2, 65, 1000, 129], 2, 16, None),      # 32 rows, causal among the new tokens
     ([3000, 17, 64, 2000], 1, 32, 4),       # split: Q's reads early, the entries after the length
     ([0, 1, 2], 2, 8, 3),                   # an empty request, splits past the end
+    ([64 * (1 + i % 7) + i for i in range(100)], 1, 32, 2),  # a split grid of two waves: requests longest first
 ], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
 def test_fp8_early_start_gives_the_same_bits(monkeypatch, lens, s_q, h, num_splits):
     """mla_decode.FP8_EARLY_START (the f16-register kernel's Q reads ahead of its first page loads, and unsplit,
