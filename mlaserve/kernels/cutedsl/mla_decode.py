@@ -242,8 +242,10 @@ FP8_MMA = True
 FP8_F16 = True
 # The f16-register FP8 kernel's start: Q's global reads issued before the first pages' TMA loads instead of after
 # them (where they queue behind the whole grid's first pages: ~21 MB at b128), and in unsplit launches those pages'
-# block-table entries read beside the request's length instead of after it. Not yet measured on a GPU (off)
-FP8_EARLY_START = False
+# block-table entries read beside the request's length instead of after it. The same bits. On an H100 (bench/NOTES.md
+# 134; decode_ab, --sustain-ms 20, off/on): b128 h16 4k / 8k 1.014 / 1.008x, h32 4k / 8k 1.013 / 1.009x, b16 h32 32k
+# (split) 1.012x: ~2 us a call (False: for A/B runs)
+FP8_EARLY_START = True
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
