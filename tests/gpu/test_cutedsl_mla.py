@@ -666,7 +666,7 @@ def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
 
 @pytest.mark.parametrize("lens, s_q, h, num_splits", [
     ([1, 63, 64, 4096], 1, 16, 1),          # unsplit: the first pages' block-table entries read early
-    ([1, 2], 1, 32, 1),                     # a one-column block table (the early reads stay inside it)
+    ([1, 2], 1, 32, 1),                     # a two-column block table (the early reads of columns 2, 3 clamp)
     ([5, 300, 64, 1], 1, 32, None),
     ([2, 65, 1000, 129], 2, 16, None),      # 32 rows, causal among the new tokens
     ([3000, 17, 64, 2000], 1, 32, 4),       # split: Q's reads early, the entries after the length
