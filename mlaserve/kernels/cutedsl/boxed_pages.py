@@ -186,15 +186,18 @@ def merge_stash(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32
 def store_rows(acc_o: list, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, cols: list, lane: Int32,
                warp: Int32, rows: Int32, batch: Int32, split: Int32, mOut: cute.Tensor,
                mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, n: cutlass.Constexpr[int],
-               is_split: cutlass.Constexpr[bool]):
+               is_split: cutlass.Constexpr[bool], tiles: cutlass.Constexpr = None,
+               lse_too: cutlass.Constexpr[bool] = True):
     """O^T normalized into the request's rows (bf16 out, or the split's fp32 partials), and each column's lse.
     Values i, i + 2 are dims d, d + 1 of one row (M rows m, m + 8; v_dim): one 4-byte (bf16) or 8-byte (fp32
-    partials) store a pair."""
+    partials) store a pair. `tiles`: only those of O^T's 64-dim tiles (all when None); `lse_too`: the lse too."""
     out_base = mPO.iterator.toint() if const_expr(is_split) else mOut.iterator.toint()
     row0 = batch * rows
     if const_expr(is_split):
         row0 = (batch * mPO.shape[1] + split) * rows
-    for m in cutlass.range_constexpr(M_TILES):
+    chosen = list(range(M_TILES)) if const_expr(tiles is None) else tiles
+    for j in cutlass.range_constexpr(len(chosen)):
+        m = chosen[j]
         for i in cutlass.range_constexpr(cute.size(acc_o[m])):
             if const_expr(i % 4 < 2):
                 r = tOcO[i][1]
@@ -203,7 +206,8 @@ def store_rows(acc_o: list, inv_l: cute.Tensor, lse: cute.Tensor, tOcO: cute.Ten
                     f = inv_l[col_slot(i, n)]
                     at = cutlass.Int64((row0 + r) * D_V + d) * (4 if is_split else 2)
                     st_global_pair(out_base + at, acc_o[m][i] * f, acc_o[m][i + 2] * f, bf16=not is_split)
-    store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, is_split)
+    if const_expr(lse_too):
+        store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, is_split)
 
 
 @cute.jit

@@ -246,6 +246,10 @@ FP8_F16 = True
 # 134; decode_ab, --sustain-ms 20, off/on): b128 h16 4k / 8k 1.014 / 1.008x, h32 4k / 8k 1.013 / 1.009x, b16 h32 32k
 # (split) 1.012x: ~2 us a call (False: for A/B runs)
 FP8_EARLY_START = True
+# The f16-register FP8 kernel's end: both consumers merge, normalize and store half of O^T each (each stashes the
+# other's half in its own stages), instead of consumer 0 all of it while consumer 1 waits. The same bits by
+# construction; not yet run on a GPU (off)
+FP8_SPLIT_EPILOGUE = False
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -456,7 +460,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if not (kv_fp8 and narrow) or fp8_mma:
             raise ValueError(f"the FP8 f16 kernel takes FP8 KV at 16 or 32 rows, got kv_fp8={kv_fp8}, "
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
-        key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ())
+        key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
+            ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -479,7 +484,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if fp8_f16:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
             fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
-                                                       early_start=FP8_EARLY_START),
+                                                       early_start=FP8_EARLY_START,
+                                                       split_epilogue=FP8_SPLIT_EPILOGUE),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

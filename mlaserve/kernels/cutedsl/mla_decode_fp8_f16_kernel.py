@@ -87,7 +87,8 @@ class MLADecodeFP8F16Sm90:
     """Compiled per (causal, split, n); q, out bf16. Launched by mla_decode.py through `__call__`, with the
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
-    def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False):
+    def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
+                 split_epilogue: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         self.dtype = cutlass.BFloat16
@@ -98,6 +99,9 @@ class MLADecodeFP8F16Sm90:
         # Q's global reads issued before the first pages' loads (which they otherwise queue behind), and, unsplit,
         # those pages' block-table entries read beside the request's length (mla_decode.FP8_EARLY_START)
         self.early_start = early_start
+        # both consumers merge and store half of O^T each, instead of consumer 0 all of it while consumer 1 waits
+        # (mla_decode.FP8_SPLIT_EPILOGUE)
+        self.split_epilogue = split_epilogue
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -362,22 +366,100 @@ class MLADecodeFP8F16Sm90:
             next_page = later_page
 
         vals = cute.size(acc_o[0])
-        # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
-        merge, merge_ml = stash_tensors(
-            [cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32) for p in range(2)],
-            cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32), vals, slots, CONSUMER_THREADS)
-        if c == 1:
-            stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
-            cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+        if const_expr(self.split_epilogue):
+            # -- each consumer merges, normalizes and stores half of O^T's dims (consumer c: tiles 4 c .. 4 c + 3) --
+            out_io = (tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL)
+            if c == 0:
+                _finish_half(0, acc_o, col_m, col_l, ctid, storage, sRed, n_tiles, out_io, n, self.is_split)
+            else:
+                _finish_half(1, acc_o, col_m, col_l, ctid, storage, sRed, n_tiles, out_io, n, self.is_split)
         else:
-            cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-            merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, n)
+            # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
+            merge, merge_ml = stash_tensors(
+                [cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32) for p in range(2)],
+                cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32), vals, slots,
+                CONSUMER_THREADS)
+            if c == 1:
+                stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
+                cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+            else:
+                cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+                merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, n)
 
-            # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
-            par = (n_tiles + 1) // 2 % 2
-            inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
-            store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL, n,
-                       self.is_split)
+                # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
+                par = (n_tiles + 1) // 2 % 2
+                inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED,
+                                            CONSUMER_THREADS)
+                store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL,
+                           n, self.is_split)
+
+@cute.jit
+def _finish_half(cc: cutlass.Constexpr[int], acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32,
+                 storage, sRed: cute.Tensor, n_tiles: Int32, out_io: tuple, n: cutlass.Constexpr[int],
+                 is_split: cutlass.Constexpr[bool]):
+    """Consumer cc's end with the epilogue split (mla_decode.FP8_SPLIT_EPILOGUE): it leaves the other half's O^T
+    tiles, its maxima and its sums in its own stage cc and k_pe stage cc (its pages are all read), and after one
+    barrier of both folds the other's stash into its own half, tiles 4 cc .. 4 cc + 3 (dims 256 cc ..), normalizes
+    and stores them; consumer 0 stores the lse. Every product is written consumer 0's value first, as merge_stash
+    does, so that the result has the same bits as the one-consumer end."""
+    half = M_TILES // 2
+    vals = cute.size(acc_o[0])
+    slots = cute.size(col_m)
+    mine = [half * cc + j for j in range(half)]
+    given = [half * (1 - cc) + j for j in range(half)]
+    o_layout = cute.make_layout((CONSUMER_THREADS, half * vals), stride=(1, CONSUMER_THREADS))
+    ml_layout = cute.make_layout((CONSUMER_THREADS, 2 * slots), stride=(1, CONSUMER_THREADS))
+    own = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + cc * KV_BYTES, dtype=Float32), o_layout)
+    other = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + (1 - cc) * KV_BYTES, dtype=Float32), o_layout)
+    own_ml = cute.make_tensor(cute.recast_ptr(storage.sPE.data_ptr() + cc * (TILE_N * D_PE), dtype=Float32),
+                              ml_layout)
+    other_ml = cute.make_tensor(cute.recast_ptr(storage.sPE.data_ptr() + (1 - cc) * (TILE_N * D_PE), dtype=Float32),
+                                ml_layout)
+    for j in cutlass.range_constexpr(half):
+        for i in cutlass.range_constexpr(vals):
+            own[ctid, j * vals + i] = acc_o[given[j]][i]
+    for s in cutlass.range_constexpr(slots):
+        own_ml[ctid, s] = col_m[s]
+        own_ml[ctid, slots + s] = col_l[s]
+    cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+    a0 = cute.make_rmem_tensor(slots, Float32)
+    a1 = cute.make_rmem_tensor(slots, Float32)
+    for s in cutlass.range_constexpr(slots):
+        # (m0, l0) consumer 0's, (m1, l1) consumer 1's
+        m0 = col_m[s]
+        l0 = col_l[s]
+        m1 = other_ml[ctid, s]
+        l1 = other_ml[ctid, slots + s]
+        if const_expr(cc == 1):
+            m0 = other_ml[ctid, s]
+            l0 = other_ml[ctid, slots + s]
+            m1 = col_m[s]
+            l1 = col_l[s]
+        mm = cute.arch.fmax(m0, m1)
+        m_safe = mm
+        if mm == -Float32.inf:
+            m_safe = 0.0
+        a0[s] = cute.arch.exp2(m0 - m_safe)
+        a1[s] = cute.arch.exp2(m1 - m_safe)
+        col_l[s] = l0 * a0[s] + l1 * a1[s]
+        col_m[s] = mm
+    for j in cutlass.range_constexpr(half):
+        for i in cutlass.range_constexpr(vals):
+            if const_expr(cc == 0):
+                acc_o[mine[j]][i] = (acc_o[mine[j]][i] * a0[col_slot(i, n)]
+                                     + other[ctid, j * vals + i] * a1[col_slot(i, n)])
+            else:
+                acc_o[mine[j]][i] = (other[ctid, j * vals + i] * a0[col_slot(i, n)]
+                                     + acc_o[mine[j]][i] * a1[col_slot(i, n)])
+    tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL = out_io
+    # the sums' exchange on the parity this consumer's last page did not use
+    par = (n_tiles + 1) // 2 % 2
+    if const_expr(cc == 1):
+        par = n_tiles // 2 % 2
+    inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, cc), BAR_RED + 2 * cc, CONSUMER_THREADS)
+    store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL, n, is_split,
+               tiles=mine, lse_too=cc == 0)
+
 
 @cute.jit
 def _load_q(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int]):
