@@ -132,25 +132,27 @@ def page_partitions(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.Co
     return tKs, tKg, tSs, tSg, tPs, tPg
 
 
-def stash_tensors(parts: list, ml_ptr: cute.Pointer, vals: int, slots: int, threads: int):
-    """Consumer 1's stash in smem: O^T's M_TILES tiles spread evenly over the Float32 pointers `parts` (vals values
-    a tile and thread, thread-minor), and its maxima and sums (2 slots values a thread) at ml_ptr."""
-    tiles = M_TILES // len(parts)
-    merge = [cute.make_tensor(p, cute.make_layout((threads, tiles * vals), stride=(1, threads))) for p in parts]
+def stash_tensors(parts: list, ml_ptr: cute.Pointer, vals: int, slots: int, threads: int, tiles: int = M_TILES):
+    """A consumer's stash in smem: `tiles` of O^T's tiles spread evenly over the Float32 pointers `parts` (vals
+    values a tile and thread, thread-minor), and its maxima and sums (2 slots values a thread) at ml_ptr."""
+    per = tiles // len(parts)
+    merge = [cute.make_tensor(p, cute.make_layout((threads, per * vals), stride=(1, threads))) for p in parts]
     merge_ml = cute.make_tensor(ml_ptr, cute.make_layout((threads, 2 * slots), stride=(1, threads)))
     return merge, merge_ml
 
 
 @cute.jit
 def stash_consumer(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32, merge: list,
-                   merge_ml: cute.Tensor):
-    """Consumer 1 leaves its O^T, maxima and sums in stash_tensors' smem."""
-    tiles = M_TILES // len(merge)
+                   merge_ml: cute.Tensor, tiles: cutlass.Constexpr = None):
+    """A consumer leaves O^T's tiles `tiles` (all when None; the j-th of them at stash place j), its maxima and its
+    sums in stash_tensors' smem."""
+    chosen = list(range(M_TILES)) if const_expr(tiles is None) else tiles
+    per = len(chosen) // len(merge)
     vals = cute.size(acc_o[0])
     slots = cute.size(col_m)
-    for m in cutlass.range_constexpr(M_TILES):
+    for j in cutlass.range_constexpr(len(chosen)):
         for i in cutlass.range_constexpr(vals):
-            merge[m // tiles][ctid, (m % tiles) * vals + i] = acc_o[m][i]
+            merge[j // per][ctid, (j % per) * vals + i] = acc_o[chosen[j]][i]
     for s in cutlass.range_constexpr(slots):
         merge_ml[ctid, s] = col_m[s]
         merge_ml[ctid, slots + s] = col_l[s]
@@ -158,28 +160,41 @@ def stash_consumer(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: In
 
 @cute.jit
 def merge_stash(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32, merge: list,
-                merge_ml: cute.Tensor, n: cutlass.Constexpr[int]):
-    """Consumer 0 folds consumer 1's stash (stash_consumer) into its own O^T, maxima and sums: both rescaled to
-    the larger maximum of each column (a column neither saw stays at -inf, its sums 0)."""
-    tiles = M_TILES // len(merge)
+                merge_ml: cute.Tensor, n: cutlass.Constexpr[int], tiles: cutlass.Constexpr = None,
+                own_first: cutlass.Constexpr[bool] = True):
+    """A consumer folds the other's stash (stash_consumer, the same `tiles`) into its own O^T tiles, maxima and
+    sums: both rescaled to the larger maximum of each column (a column neither saw stays at -inf, its sums 0).
+    own_first: this consumer is consumer 0; else every product is written the other's value first, so that both
+    consumers' merges round alike (FP8_SPLIT_EPILOGUE's halves have the one-consumer merge's bits)."""
+    chosen = list(range(M_TILES)) if const_expr(tiles is None) else tiles
+    per = len(chosen) // len(merge)
     vals = cute.size(acc_o[0])
     slots = cute.size(col_m)
-    a0 = cute.make_rmem_tensor(slots, Float32)
-    a1 = cute.make_rmem_tensor(slots, Float32)
+    a0 = cute.make_rmem_tensor(slots, Float32)     # this consumer's factors
+    a1 = cute.make_rmem_tensor(slots, Float32)     # the other's
     for s in cutlass.range_constexpr(slots):
         m1 = merge_ml[ctid, s]
         mm = cute.arch.fmax(col_m[s], m1)
+        if const_expr(not own_first):
+            mm = cute.arch.fmax(m1, col_m[s])
         m_safe = mm
         if mm == -Float32.inf:
             m_safe = 0.0
         a0[s] = cute.arch.exp2(col_m[s] - m_safe)
         a1[s] = cute.arch.exp2(m1 - m_safe)
-        col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
+        if const_expr(own_first):
+            col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
+        else:
+            col_l[s] = merge_ml[ctid, slots + s] * a1[s] + col_l[s] * a0[s]
         col_m[s] = mm
-    for m in cutlass.range_constexpr(M_TILES):
+    for j in cutlass.range_constexpr(len(chosen)):
+        m = chosen[j]
         for i in cutlass.range_constexpr(vals):
-            acc_o[m][i] = (acc_o[m][i] * a0[col_slot(i, n)]
-                           + merge[m // tiles][ctid, (m % tiles) * vals + i] * a1[col_slot(i, n)])
+            other = merge[j // per][ctid, (j % per) * vals + i]
+            if const_expr(own_first):
+                acc_o[m][i] = acc_o[m][i] * a0[col_slot(i, n)] + other * a1[col_slot(i, n)]
+            else:
+                acc_o[m][i] = other * a1[col_slot(i, n)] + acc_o[m][i] * a0[col_slot(i, n)]
 
 
 @cute.jit

@@ -405,57 +405,23 @@ def _finish_half(cc: cutlass.Constexpr[int], acc_o: list, col_m: cute.Tensor, co
     """Consumer cc's end with the epilogue split (mla_decode.FP8_SPLIT_EPILOGUE): it leaves the other half's O^T
     tiles, its maxima and its sums in its own stage cc and k_pe stage cc (its pages are all read), and after one
     barrier of both folds the other's stash into its own half, tiles 4 cc .. 4 cc + 3 (dims 256 cc ..), normalizes
-    and stores them; consumer 0 stores the lse. Every product is written consumer 0's value first, as merge_stash
-    does, so that the result has the same bits as the one-consumer end."""
+    and stores them; consumer 0 stores the lse. merge_stash writes every product consumer 0's value first, so
+    that the result has the same bits as the one-consumer end."""
     half = M_TILES // 2
     vals = cute.size(acc_o[0])
     slots = cute.size(col_m)
     mine = [half * cc + j for j in range(half)]
-    given = [half * (1 - cc) + j for j in range(half)]
-    o_layout = cute.make_layout((CONSUMER_THREADS, half * vals), stride=(1, CONSUMER_THREADS))
-    ml_layout = cute.make_layout((CONSUMER_THREADS, 2 * slots), stride=(1, CONSUMER_THREADS))
-    own = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + cc * KV_BYTES, dtype=Float32), o_layout)
-    other = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + (1 - cc) * KV_BYTES, dtype=Float32), o_layout)
-    own_ml = cute.make_tensor(cute.recast_ptr(storage.sPE.data_ptr() + cc * (TILE_N * D_PE), dtype=Float32),
-                              ml_layout)
-    other_ml = cute.make_tensor(cute.recast_ptr(storage.sPE.data_ptr() + (1 - cc) * (TILE_N * D_PE), dtype=Float32),
-                                ml_layout)
-    for j in cutlass.range_constexpr(half):
-        for i in cutlass.range_constexpr(vals):
-            own[ctid, j * vals + i] = acc_o[given[j]][i]
-    for s in cutlass.range_constexpr(slots):
-        own_ml[ctid, s] = col_m[s]
-        own_ml[ctid, slots + s] = col_l[s]
+    own, own_ml = stash_tensors(
+        [cute.recast_ptr(storage.sK.data_ptr() + cc * KV_BYTES, dtype=Float32)],
+        cute.recast_ptr(storage.sPE.data_ptr() + cc * (TILE_N * D_PE), dtype=Float32), vals, slots,
+        CONSUMER_THREADS, tiles=half)
+    other, other_ml = stash_tensors(
+        [cute.recast_ptr(storage.sK.data_ptr() + (1 - cc) * KV_BYTES, dtype=Float32)],
+        cute.recast_ptr(storage.sPE.data_ptr() + (1 - cc) * (TILE_N * D_PE), dtype=Float32), vals, slots,
+        CONSUMER_THREADS, tiles=half)
+    stash_consumer(acc_o, col_m, col_l, ctid, own, own_ml, tiles=[half * (1 - cc) + j for j in range(half)])
     cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-    a0 = cute.make_rmem_tensor(slots, Float32)
-    a1 = cute.make_rmem_tensor(slots, Float32)
-    for s in cutlass.range_constexpr(slots):
-        # (m0, l0) consumer 0's, (m1, l1) consumer 1's
-        m0 = col_m[s]
-        l0 = col_l[s]
-        m1 = other_ml[ctid, s]
-        l1 = other_ml[ctid, slots + s]
-        if const_expr(cc == 1):
-            m0 = other_ml[ctid, s]
-            l0 = other_ml[ctid, slots + s]
-            m1 = col_m[s]
-            l1 = col_l[s]
-        mm = cute.arch.fmax(m0, m1)
-        m_safe = mm
-        if mm == -Float32.inf:
-            m_safe = 0.0
-        a0[s] = cute.arch.exp2(m0 - m_safe)
-        a1[s] = cute.arch.exp2(m1 - m_safe)
-        col_l[s] = l0 * a0[s] + l1 * a1[s]
-        col_m[s] = mm
-    for j in cutlass.range_constexpr(half):
-        for i in cutlass.range_constexpr(vals):
-            if const_expr(cc == 0):
-                acc_o[mine[j]][i] = (acc_o[mine[j]][i] * a0[col_slot(i, n)]
-                                     + other[ctid, j * vals + i] * a1[col_slot(i, n)])
-            else:
-                acc_o[mine[j]][i] = (other[ctid, j * vals + i] * a0[col_slot(i, n)]
-                                     + acc_o[mine[j]][i] * a1[col_slot(i, n)])
+    merge_stash(acc_o, col_m, col_l, ctid, other, other_ml, n, tiles=mine, own_first=cc == 0)
     tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL = out_io
     # the sums' exchange on the parity this consumer's last page did not use
     par = (n_tiles + 1) // 2 % 2
