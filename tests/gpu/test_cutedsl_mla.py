@@ -407,11 +407,15 @@ def test_ordered_grids_equal_batch_order(monkeypatch, b, h, s_q, fp8, fp8_mma, s
             enumerate(4096 + (torch.rand(b, generator=gen) * 2 - 1) * 2048)]
     if fp8:
         q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
-        ref = (check.fp8_exact_reference if fp8_mma else check.fp8_reference)(q, kv, table, seqlens)
     else:
         q, kv, table, seqlens = check.make_case(lens, s_q, h, torch.bfloat16, seed=b + h)
-        ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
     plan = cd.plan_mla_decode(b, s_q, h, 512, table.shape[1], 64, fp8, q.device, seqlens=lens)
+    if not fp8:
+        ref = reference.mla_decode(q.double(), kv.double(), table, seqlens, check.SCALE)
+    elif fp8_mma or cd.uses_fp8_f16(True, s_q * h, table.shape[1], plan.num_splits):
+        ref = check.fp8_exact_reference(q, kv, table, seqlens)   # the kernels that multiply the exact entries
+    else:
+        ref = check.fp8_reference(q, kv, table, seqlens)
     assert plan.num_splits == (2 if split else 1)
     tiles = 1 if fp8 and cd.fp8_narrow_cols(s_q * h) else -(-s_q * h // 64)
     assert cd.grid_order(seqlens, b * tiles, plan.num_splits) is not None, "the case must run ordered"

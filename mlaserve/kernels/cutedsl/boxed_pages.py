@@ -164,8 +164,10 @@ def merge_stash(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32
                 own_first: cutlass.Constexpr[bool] = True):
     """A consumer folds the other's stash (stash_consumer, the same `tiles`) into its own O^T tiles, maxima and
     sums: both rescaled to the larger maximum of each column (a column neither saw stays at -inf, its sums 0).
-    own_first: this consumer is consumer 0; else every product is written the other's value first, so that both
-    consumers' merges round alike (FP8_SPLIT_EPILOGUE's halves have the one-consumer merge's bits)."""
+    own_first: this consumer is consumer 0, whose merge LLVM contracts to fma(own, a0, other * a1): consumer 0's
+    product exact, consumer 1's rounded. Else the fma is written out with the other's (consumer 0's) product exact,
+    so that both consumers' merges round alike (FP8_SPLIT_EPILOGUE's halves have the one-consumer merge's bits):
+    written as a sum with the other's value first, LLVM reordered the sum and contracted the own product instead."""
     chosen = list(range(M_TILES)) if const_expr(tiles is None) else tiles
     per = len(chosen) // len(merge)
     vals = cute.size(acc_o[0])
@@ -185,7 +187,7 @@ def merge_stash(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32
         if const_expr(own_first):
             col_l[s] = col_l[s] * a0[s] + merge_ml[ctid, slots + s] * a1[s]
         else:
-            col_l[s] = merge_ml[ctid, slots + s] * a1[s] + col_l[s] * a0[s]
+            col_l[s] = cute.math.fma(merge_ml[ctid, slots + s], a1[s], col_l[s] * a0[s])
         col_m[s] = mm
     for j in cutlass.range_constexpr(len(chosen)):
         m = chosen[j]
@@ -194,7 +196,7 @@ def merge_stash(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32
             if const_expr(own_first):
                 acc_o[m][i] = acc_o[m][i] * a0[col_slot(i, n)] + other * a1[col_slot(i, n)]
             else:
-                acc_o[m][i] = other * a1[col_slot(i, n)] + acc_o[m][i] * a0[col_slot(i, n)]
+                acc_o[m][i] = cute.math.fma(other, a1[col_slot(i, n)], acc_o[m][i] * a0[col_slot(i, n)])
 
 
 @cute.jit
