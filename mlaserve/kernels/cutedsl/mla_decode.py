@@ -247,9 +247,10 @@ FP8_F16 = True
 # (split) 1.012x: ~2 us a call (False: for A/B runs)
 FP8_EARLY_START = True
 # The f16-register FP8 kernel's end: both consumers merge, normalize and store half of O^T each (each stashes the
-# other's half in its own stages), instead of consumer 0 all of it while consumer 1 waits. The same bits by
-# construction; not yet run on a GPU (off)
-FP8_SPLIT_EPILOGUE = False
+# other's half in its own stages), instead of consumer 0 all of it while consumer 1 waits. The same bits (consumer 1
+# writes its merge's fma out: boxed_pages.merge_stash). On an H100 (bench/NOTES.md 136; decode_ab, --sustain-ms 20,
+# off/on): b128 h16 4k / 8k 1.003 / 1.003x, h32 4k / 8k 1.003 / 1.006x, b16 h32 32k (split) 1.001x (False: for A/B)
+FP8_SPLIT_EPILOGUE = True
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
