@@ -707,3 +707,30 @@ def test_fp8_f16_cuda_graph_replay_equals_eager(monkeypatch, h):
     plan = cd.plan_mla_decode(b, 1, h, 512, table.shape[1], 64, True, q.device, num_splits=3)
     _replay_equals_eager_and_reference(q, kv, table, seqlens, plan,
                                        lambda: check.fp8_exact_reference(q, kv, table, seqlens))
+
+
+@pytest.mark.parametrize("h", [16, 32])
+def test_fp8_f16_trace_leaves_the_outputs_and_orders_the_phases(monkeypatch, h):
+    """mla_decode.TRACE on the f16-register kernel (unsplit, batch order; scripts/fp8_f16_trace.py): the same bits as
+    untraced, and each CTA's fields: its SM, its pages, and in each stamping thread's order start <= Q stored <=
+    consumer 0's first page, each consumer's first page <= its loop's end <= its end, start ns <= end ns."""
+    kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
+    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:
+                        kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
+    lens = [300, 4096, 129, 65, 1000]      # every request with pages for both consumers
+    q, kv, table, seqlens = check.make_fp8_case(lens, 1, h, seed=h)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    monkeypatch.setattr(cd, "TRACE", True)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    t = cd.last_trace.cpu().long()
+    assert t.shape == (len(lens), kmod.TRACE_FIELDS)
+    assert t[:, kmod.T_PAGES].tolist() == [-(-n // 64) for n in lens]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    assert bool(((t[:, kmod.T_SM] >= 0) & (t[:, kmod.T_SM] < sms)).all())
+
+    def after(a, b):       # clock b at or after clock a (32-bit, wrapping)
+        return bool((((t[:, b] - t[:, a]) % 2 ** 32) < 2 ** 31).all())
+    assert after(kmod.T_C0, kmod.T_Q) and after(kmod.T_Q, kmod.T_PAGE0) and after(kmod.T_NS0, kmod.T_NS1)
+    for c in range(2):
+        assert after(kmod.T_PAGE0 + c, kmod.T_LOOP + c) and after(kmod.T_LOOP + c, kmod.T_END + c)

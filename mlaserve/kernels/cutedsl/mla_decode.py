@@ -205,7 +205,8 @@ GRID_ORDER_ALL = True
 RANK_ORDER = True
 RANK_ORDER_MAX_B = 256     # the kernel's smem holds the order as int16, in padding before sQ
 # a diagnostic of persistent launches (scripts/persistent_clusters_ab.py --trace): each item's SM, start and end and
-# the clocks of its phases, left in `last_trace` after each launch (eager calls only)
+# the clocks of its phases, left in `last_trace` after each launch (eager calls only); also of the f16-register FP8
+# kernel's unsplit launches in batch order (scripts/fp8_f16_trace.py: mla_decode_fp8_f16_kernel.TRACE_FIELDS a CTA)
 TRACE = False
 # 16-bit KV and the 64-row FP8 kernel: O (or the fp32 split partials) stored 16 bytes at a time after a transpose
 # within each quad (False: the accumulator's 4/8-byte pairs, or value by value; for A/B runs)
@@ -486,7 +487,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
             fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
                                                        early_start=FP8_EARLY_START,
-                                                       split_epilogue=FP8_SPLIT_EPILOGUE),
+                                                       split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")
@@ -616,10 +617,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
     cuda = importlib.import_module("cuda.bindings.driver")
     lse_slot = order if order is not None and split else lse
     po_slot = order if order is not None and not split else po
-    addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse_slot, po_slot, pl)]
     f16_kernel = uses_fp8_f16(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits)
+    f16_trace = TRACE and f16_kernel and not split and order is None
+    if f16_trace:
+        kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
+        po_slot = last_trace = torch.zeros(b, kmod.TRACE_FIELDS, dtype=torch.int32, device=q.device)
+    addresses = [t.data_ptr() for t in (q, kv_cache, block_table, cache_seqlens, out, lse_slot, po_slot, pl)]
+    traced = bool(clusters) and TRACE or f16_trace
     fn = _kernel(q.dtype, bool(causal), split, kv_fp8, cluster, narrow, bool(clusters), order is not None,
-                 bool(clusters) and TRACE, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
+                 traced, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
                  uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits) and not f16_kernel, s_q * h,
                  f16_kernel)

@@ -84,6 +84,11 @@ BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
 BAR_RED = 3           # + 2 c: consumer c's 4 warps: column maxima (then sums); a page's stage read
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
 VS_WORDS = GROUPS * 4 * 8  # the V scales' table a page: group, lane % 4, 8 f16x2 words
+# traced launches (mla_decode.TRACE; unsplit, unordered), int32 per CTA in po's place: SM, start ns, start clock
+# (thread 0); thread 0's clock once Q is stored; per consumer c (its thread 0) at 4 + c its first page's arrival, at
+# 6 + c its loop's end, at 8 + c its end (stores issued); end ns (consumer 0); the CTA's pages
+TRACE_FIELDS = 12
+T_SM, T_NS0, T_C0, T_Q, T_PAGE0, T_LOOP, T_END, T_NS1, T_PAGES = 0, 1, 2, 3, 4, 6, 8, 10, 11
 # Q_PERM[l]: the column of a 16-column k-step that logical column l of the K fragments holds
 Q_PERM = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
 
@@ -93,9 +98,11 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False):
+                 split_epilogue: bool = False, trace: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
+        if trace and (is_split or ordered):
+            raise ValueError("the FP8 f16 kernel's trace is an option of unsplit launches in batch order")
         self.dtype = cutlass.BFloat16
         self.causal = causal
         self.is_split = is_split
@@ -107,6 +114,8 @@ class MLADecodeFP8F16Sm90:
         # both consumers merge and store half of O^T each, instead of consumer 0 all of it while consumer 1 waits
         # (mla_decode.FP8_SPLIT_EPILOGUE)
         self.split_epilogue = split_epilogue
+        # a diagnostic: each CTA's phase clocks in po's place (TRACE_FIELDS)
+        self.trace = trace
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -181,6 +190,12 @@ class MLADecodeFP8F16Sm90:
                                                        stride=(1, n, WARPS * n, 2 * WARPS * n)))
         k_base = storage.sK.data_ptr().toint()
         vs_base = storage.vsc.data_ptr().toint() + c * (2 * VS_WORDS * 4)
+        trace_at = mPO.iterator.toint() + cutlass.Int64(batch) * (TRACE_FIELDS * 4)
+        if const_expr(self.trace):
+            if tidx == 0:
+                _stamp(trace_at, T_SM, cute.arch.smid())
+                _stamp(trace_at, T_NS0, cute.arch.globaltimer_lo())
+                _stamp(trace_at, T_C0, cute.arch.clock())
 
         # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers; its reads go out
         # first where early_start --
@@ -195,6 +210,10 @@ class MLADecodeFP8F16Sm90:
                      sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
+        if const_expr(self.trace):
+            if tidx == 0:
+                _stamp(trace_at, T_Q, cute.arch.clock())
+                _stamp(trace_at, T_PAGES, n_tiles)
 
         thr_qk = tiled_mma_qk.get_slice(ctid)
         thr_pe = tiled_mma_pe.get_slice(ctid)
@@ -260,6 +279,9 @@ class MLADecodeFP8F16Sm90:
             if warp == 0 and t + 2 + STAGES < n_tiles:
                 later_page = mBT[batch, first_page + t + 2 + STAGES]
             st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
+            if const_expr(self.trace):
+                if u == 0 and ctid == 0:
+                    _stamp(trace_at, T_PAGE0 + c, cute.arch.clock())
             # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
             for hr in cutlass.range_constexpr(2):
                 keep = k0 + 8 * hr < valid
@@ -370,6 +392,9 @@ class MLADecodeFP8F16Sm90:
             warpgroup.wait_group(0)
             next_page = later_page
 
+        if const_expr(self.trace):
+            if ctid == 0:
+                _stamp(trace_at, T_LOOP + c, cute.arch.clock())
         vals = cute.size(acc_o[0])
         if const_expr(self.split_epilogue):
             # -- each consumer merges, normalizes and stores half of O^T's dims (consumer c: tiles 4 c .. 4 c + 3) --
@@ -397,6 +422,19 @@ class MLADecodeFP8F16Sm90:
                                             CONSUMER_THREADS)
                 store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL,
                            n, self.is_split)
+        if const_expr(self.trace):
+            if ctid == 0:
+                _stamp(trace_at, T_END + c, cute.arch.clock())
+                if c == 0:
+                    _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
+
+@dsl_user_op
+def _stamp(base: cutlass.Int64, field, value: Int32, *, loc=None, ip=None) -> None:
+    """A traced launch's int32 `field` (an int, or Int32) of the CTA whose fields start at global address `base`."""
+    addr = cutlass.Int64(base + field * 4).ir_value(loc=loc, ip=ip)
+    llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip)], "st.global.b32 [$0], $1;", "l,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
 
 @cute.jit
 def _finish_half(cc: cutlass.Constexpr[int], acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32,

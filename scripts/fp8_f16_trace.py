@@ -1,0 +1,111 @@
+"""Where the f16-register FP8 kernel's CTAs spend a call: each CTA's phase clocks (mla_decode.TRACE), summarized
+per shape over a few eager calls, each after an L2 flush.
+
+    PYTHONPATH=. python3 scripts/fp8_f16_trace.py [--shapes "b128 h16 sk4096,b128 h32 sk4096"] [--reps 5]
+
+Per shape (FP8 KV, s_q 1, every request the same length, unsplit): the SM clock (a CTA's clocks over its
+nanoseconds), how late the CTAs start after the first (median / max), and the medians and maxima over CTAs of
+(us): start -> Q stored, start -> each consumer's first page, each consumer's page loop, each consumer's end
+(merge, stores), and the whole CTA; then the call's span (first start to last end).
+"""
+
+import argparse
+import importlib
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
+_spec = importlib.util.spec_from_file_location("cutedsl_check", Path(__file__).with_name("cutedsl_check.py"))
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """"b128 h32 sk4096" -> (b, h, s_k)."""
+    vals = {part[:1] if part[0] in "bh" else "sk": int(part.lstrip("bhsk")) for part in text.split()}
+    return vals["b"], vals["h"], vals["sk"]
+
+
+def summarize(traces: list[torch.Tensor]) -> dict:
+    """Medians over calls of each call's per-CTA median and maximum (us) of each phase."""
+    phases = {}
+    for tr in traces:
+        t = tr.long()
+        ns = (t[:, kmod.T_NS1] - t[:, kmod.T_NS0]) % 2 ** 32
+        clk = (t[:, kmod.T_END] - t[:, kmod.T_C0]) % 2 ** 32
+        ghz = float((clk.double() / ns.double()).median())
+
+        def us(a, b):
+            return ((t[:, b] - t[:, a]) % 2 ** 32).double() / (ghz * 1e3)
+
+        start_ns = t[:, kmod.T_NS0] - t[:, kmod.T_NS0].min()
+        end_ns = t[:, kmod.T_NS1] - t[:, kmod.T_NS0].min()
+        rows = {
+            "SM clock GHz": torch.tensor([ghz]),
+            "start after the first CTA": start_ns.double() / 1e3,
+            "start -> Q stored": us(kmod.T_C0, kmod.T_Q),
+            "start -> first page, c0": us(kmod.T_C0, kmod.T_PAGE0),
+            "start -> first page, c1": us(kmod.T_C0, kmod.T_PAGE0 + 1),
+            "page loop, c0": us(kmod.T_PAGE0, kmod.T_LOOP),
+            "page loop, c1": us(kmod.T_PAGE0 + 1, kmod.T_LOOP + 1),
+            "loop end -> end, c0": us(kmod.T_LOOP, kmod.T_END),
+            "loop end -> end, c1": us(kmod.T_LOOP + 1, kmod.T_END + 1),
+            "CTA start -> end, c0": us(kmod.T_C0, kmod.T_END),
+            "call span (first start -> CTA end)": end_ns.double() / 1e3,
+        }
+        for name, v in rows.items():
+            phases.setdefault(name, []).append((float(v.median()), float(v.max())))
+    return {name: (statistics.median(m for m, _ in vals), statistics.median(x for _, x in vals))
+            for name, vals in phases.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="b128 h16 sk4096,b128 h32 sk4096,b128 h16 sk8192,b128 h32 sk8192")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    results = {}
+    for text in args.shapes.split(","):
+        b, h, s_k = parse_shape(text)
+        q, kv, table, seqlens = check.make_fp8_case([s_k] * b, 1, h, seed=b + h)
+        plan = cd.plan_mla_decode(b, 1, h, 512, table.shape[1], 64, True, q.device, num_splits=1)
+        if not cd.uses_fp8_f16(True, h, table.shape[1], plan.num_splits):
+            print(f"{text}: not the f16-register kernel's shape; skipped", flush=True)
+            continue
+        out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)     # compiles the untraced
+        traces = []
+        cd.TRACE = True
+        try:
+            for _ in range(args.reps + 1):
+                flush.zero_()
+                torch.cuda.synchronize()
+                out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, plan=plan)
+                torch.cuda.synchronize()
+                traces.append(cd.last_trace.cpu())
+        finally:
+            cd.TRACE = False
+        if not (torch.equal(out, out0) and torch.equal(lse, lse0)):
+            print(f"{text}: the traced launch's outputs differ from the untraced one's", flush=True)
+            return 1
+        pages = int(traces[-1][:, kmod.T_PAGES].max())
+        if pages != math.ceil(s_k / 64):
+            print(f"{text}: the trace counts {pages} pages a CTA, expected {math.ceil(s_k / 64)}", flush=True)
+            return 1
+        results[text] = summarize(traces[1:])      # the first traced call compiled the traced kernel
+    names = list(next(iter(results.values()))) if results else []
+    print(f"\n{'median / max over CTAs (us)':40s}" + "".join(f"{k:>22s}" for k in results))
+    for name in names:
+        print(f"{name:40s}" + "".join(f"{results[k][name][0]:>11.2f} /{results[k][name][1]:>8.2f}" for k in results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
