@@ -6,7 +6,10 @@ per shape over a few eager calls, each after an L2 flush.
 Per shape (FP8 KV, s_q 1, every request the same length, unsplit): the SM clock (a CTA's clocks over its
 nanoseconds), how late the CTAs start after the first (median / max), and the medians and maxima over CTAs of
 (us): start -> Q stored, start -> each consumer's first page, each consumer's page loop, each consumer's end
-(merge, stores), and the whole CTA; then the call's span (first start to last end).
+(merge, stores), and the whole CTA; then the call's span (first start to last end). Then, from the first
+kmod.TRACE_PAGES pages' stamps, each page's compute (its arrival to its products' end, in its consumer) and wait
+(the consumer's previous page's end to this page's arrival): pages 0-5, the median page between, the last two, and
+each consumer's sums over its pages.
 """
 
 import argparse
@@ -65,6 +68,32 @@ def summarize(traces: list[torch.Tensor]) -> dict:
             for name, vals in phases.items()}
 
 
+def summarize_pages(traces: list[torch.Tensor], ghz: float) -> dict:
+    """Per-page compute and wait (us; medians over CTAs, then over calls) from the page stamps."""
+    rows = {}
+    for tr in traces:
+        t = tr.long()
+        n = min(int(t[:, kmod.T_PAGES].min()), kmod.TRACE_PAGES)
+        arr = t[:, kmod.T_PAGES_AT:kmod.T_PAGES_AT + 2 * n:2]
+        done = t[:, kmod.T_PAGES_AT + 1:kmod.T_PAGES_AT + 2 * n:2]
+        compute = ((done - arr) % 2 ** 32).double() / (ghz * 1e3)
+        prev = torch.cat([t[:, [kmod.T_Q, kmod.T_Q]], done[:, :-2]], dim=1)    # the consumer's previous end
+        wait = ((arr - prev) % 2 ** 32).double() / (ghz * 1e3)
+        picks = [(f"page {i}", [i]) for i in range(min(6, n))]
+        if n > 16:
+            picks.append(("median page 8 .. n-8", list(range(8, n - 8))))
+        picks += [(f"page n-{n - i}", [i]) for i in range(max(6, n - 2), n)]
+        for label, cols in picks:
+            c = compute[:, cols].median(dim=1).values if len(cols) > 1 else compute[:, cols[0]]
+            w = wait[:, cols].median(dim=1).values if len(cols) > 1 else wait[:, cols[0]]
+            rows.setdefault(f"{label}: compute", []).append(float(c.median()))
+            rows.setdefault(f"{label}: wait", []).append(float(w.median()))
+        for cc in range(2):
+            rows.setdefault(f"sum of compute, c{cc}", []).append(float(compute[:, cc::2].sum(1).median()))
+            rows.setdefault(f"sum of waits (from Q stored), c{cc}", []).append(float(wait[:, cc::2].sum(1).median()))
+    return {name: statistics.median(v) for name, v in rows.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="b128 h16 sk4096,b128 h32 sk4096,b128 h16 sk8192,b128 h32 sk8192")
@@ -72,7 +101,7 @@ def main() -> int:
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    results = {}
+    results, page_results = {}, {}
     for text in args.shapes.split(","):
         b, h, s_k = parse_shape(text)
         q, kv, table, seqlens = check.make_fp8_case([s_k] * b, 1, h, seed=b + h)
@@ -100,10 +129,15 @@ def main() -> int:
             print(f"{text}: the trace counts {pages} pages a CTA, expected {math.ceil(s_k / 64)}", flush=True)
             return 1
         results[text] = summarize(traces[1:])      # the first traced call compiled the traced kernel
+        page_results[text] = summarize_pages(traces[1:], results[text]["SM clock GHz"][0])
     names = list(next(iter(results.values()))) if results else []
     print(f"\n{'median / max over CTAs (us)':40s}" + "".join(f"{k:>22s}" for k in results))
     for name in names:
         print(f"{name:40s}" + "".join(f"{results[k][name][0]:>11.2f} /{results[k][name][1]:>8.2f}" for k in results))
+    print(f"\n{'pages, median over CTAs (us)':40s}" + "".join(f"{k:>22s}" for k in page_results))
+    for name in dict.fromkeys(n for r in page_results.values() for n in r):
+        cells = (f"{r[name]:>22.2f}" if name in r else " " * 22 for r in page_results.values())
+        print(f"{name:40s}" + "".join(cells))
     return 0
 
 

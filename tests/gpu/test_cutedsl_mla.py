@@ -713,7 +713,8 @@ def test_fp8_f16_cuda_graph_replay_equals_eager(monkeypatch, h):
 def test_fp8_f16_trace_leaves_the_outputs_and_orders_the_phases(monkeypatch, h):
     """mla_decode.TRACE on the f16-register kernel (unsplit, batch order; scripts/fp8_f16_trace.py): the same bits as
     untraced, and each CTA's fields: its SM, its pages, and in each stamping thread's order start <= Q stored <=
-    consumer 0's first page, each consumer's first page <= its loop's end <= its end, start ns <= end ns."""
+    consumer 0's first page, each consumer's first page <= its loop's end <= its end, start ns <= end ns; each page's
+    arrival (pages 0 and 1: the consumers' first pages') <= its end, after its consumer's previous page's end."""
     kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
     monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:
                         kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
@@ -734,3 +735,11 @@ def test_fp8_f16_trace_leaves_the_outputs_and_orders_the_phases(monkeypatch, h):
     assert after(kmod.T_C0, kmod.T_Q) and after(kmod.T_Q, kmod.T_PAGE0) and after(kmod.T_NS0, kmod.T_NS1)
     for c in range(2):
         assert after(kmod.T_PAGE0 + c, kmod.T_LOOP + c) and after(kmod.T_LOOP + c, kmod.T_END + c)
+    assert torch.equal(t[:, kmod.T_PAGES_AT:kmod.T_PAGES_AT + 3:2], t[:, kmod.T_PAGE0:kmod.T_PAGE0 + 2])
+    for i, n in enumerate(lens):     # each page's arrival, then its end, after its consumer's previous page's end
+        pages = [kmod.T_PAGES_AT + 2 * p for p in range(min(-(-n // 64), kmod.TRACE_PAGES))]
+        for j, a in enumerate(pages):
+            prev = a - 3 if j >= 2 else kmod.T_Q if j == 0 else None
+            assert ((t[i, a + 1] - t[i, a]) % 2 ** 32) < 2 ** 31, (i, j)
+            if prev is not None:
+                assert ((t[i, a] - t[i, prev]) % 2 ** 32) < 2 ** 31, (i, j)

@@ -86,9 +86,11 @@ BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's ro
 VS_WORDS = GROUPS * 4 * 8  # the V scales' table a page: group, lane % 4, 8 f16x2 words
 # traced launches (mla_decode.TRACE; unsplit, unordered), int32 per CTA in po's place: SM, start ns, start clock
 # (thread 0); thread 0's clock once Q is stored; per consumer c (its thread 0) at 4 + c its first page's arrival, at
-# 6 + c its loop's end, at 8 + c its end (stores issued); end ns (consumer 0); the CTA's pages
-TRACE_FIELDS = 12
-T_SM, T_NS0, T_C0, T_Q, T_PAGE0, T_LOOP, T_END, T_NS1, T_PAGES = 0, 1, 2, 3, 4, 6, 8, 10, 11
+# 6 + c its loop's end, at 8 + c its end (stores issued); end ns (consumer 0); the CTA's pages; then for each of its
+# first TRACE_PAGES pages t, at T_PAGES_AT + 2 t and + 1, the clocks of the page's arrival and of its products' end
+TRACE_PAGES = 128
+T_SM, T_NS0, T_C0, T_Q, T_PAGE0, T_LOOP, T_END, T_NS1, T_PAGES, T_PAGES_AT = 0, 1, 2, 3, 4, 6, 8, 10, 11, 12
+TRACE_FIELDS = T_PAGES_AT + 2 * TRACE_PAGES
 # Q_PERM[l]: the column of a 16-column k-step that logical column l of the K fragments holds
 Q_PERM = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
 
@@ -280,8 +282,12 @@ class MLADecodeFP8F16Sm90:
                 later_page = mBT[batch, first_page + t + 2 + STAGES]
             st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
             if const_expr(self.trace):
-                if u == 0 and ctid == 0:
-                    _stamp(trace_at, T_PAGE0 + c, cute.arch.clock())
+                if ctid == 0:
+                    now = cute.arch.clock()
+                    if u == 0:
+                        _stamp(trace_at, T_PAGE0 + c, now)
+                    if t < TRACE_PAGES:
+                        _stamp(trace_at, T_PAGES_AT + 2 * t, now)
             # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
             for hr in cutlass.range_constexpr(2):
                 keep = k0 + 8 * hr < valid
@@ -391,6 +397,9 @@ class MLADecodeFP8F16Sm90:
                 warpgroup.commit_group()
             warpgroup.wait_group(0)
             next_page = later_page
+            if const_expr(self.trace):
+                if ctid == 0 and t < TRACE_PAGES:
+                    _stamp(trace_at, T_PAGES_AT + 2 * t + 1, cute.arch.clock())
 
         if const_expr(self.trace):
             if ctid == 0:
