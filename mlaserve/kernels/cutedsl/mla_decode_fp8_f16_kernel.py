@@ -192,7 +192,7 @@ class MLADecodeFP8F16Sm90:
                                                        stride=(1, n, WARPS * n, 2 * WARPS * n)))
         k_base = storage.sK.data_ptr().toint()
         vs_base = storage.vsc.data_ptr().toint() + c * (2 * VS_WORDS * 4)
-        trace_at = mPO.iterator.toint() + cutlass.Int64(batch) * (TRACE_FIELDS * 4)
+        trace_at = mPO.iterator.toint() + cutlass.Int64(batch) * (TRACE_FIELDS * 4)   # used only where traced
         if const_expr(self.trace):
             if tidx == 0:
                 _stamp(trace_at, T_SM, cute.arch.smid())
@@ -436,6 +436,7 @@ class MLADecodeFP8F16Sm90:
                 _stamp(trace_at, T_END + c, cute.arch.clock())
                 if c == 0:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
+
 
 @dsl_user_op
 def _stamp(base: cutlass.Int64, field, value: Int32, *, loc=None, ip=None) -> None:
