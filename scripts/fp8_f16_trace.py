@@ -2,6 +2,7 @@
 per shape over a few eager calls, each after an L2 flush.
 
     PYTHONPATH=. python3 scripts/fp8_f16_trace.py [--shapes "b128 h16 sk4096,b128 h32 sk4096"] [--reps 5]
+        [--set FP8_FIRST_PAGE_FIRST=1 ...]     (mla_decode module flags, set before anything compiles)
 
 Per shape (FP8 KV, s_q 1, every request the same length, unsplit): the SM clock (a CTA's clocks over its
 nanoseconds), how late the CTAs start after the first (median / max), and the medians and maxima over CTAs of
@@ -98,7 +99,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="b128 h16 sk4096,b128 h32 sk4096,b128 h16 sk8192,b128 h32 sk8192")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--set", action="append", default=[], metavar="FLAG=0|1", help="an mla_decode module flag")
     args = p.parse_args()
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(cd, name) or value not in ("0", "1"):
+            p.error(f"--set takes an mla_decode flag and 0 or 1, got {item!r}")
+        setattr(cd, name, value == "1")
+        print(f"mla_decode.{name} = {value == '1'}", flush=True)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     results, page_results = {}, {}
