@@ -2,7 +2,7 @@
 per shape over a few eager calls, each after an L2 flush.
 
     PYTHONPATH=. python3 scripts/fp8_f16_trace.py [--shapes "b128 h16 sk4096,b128 h32 sk4096"] [--reps 5]
-        [--set FP8_FIRST_PAGE_FIRST=1 ...]     (mla_decode module flags, set before anything compiles)
+        [--set FP8_SPLIT_EPILOGUE=0 ...]       (mla_decode module flags, set before anything compiles)
 
 Per shape (FP8 KV, s_q 1, every request the same length, unsplit): the SM clock (a CTA's clocks over its
 nanoseconds), how late the CTAs start after the first (median / max), and the medians and maxima over CTAs of

@@ -85,14 +85,11 @@ def kernel_start(shared_storage, mLse: cute.Tensor, mPO: cute.Tensor, ordered: c
 def first_pages(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom, mSc_tma: cute.Tensor,
                 tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, sK: cute.Tensor, sSc: cute.Tensor, sPE: cute.Tensor,
                 mBT: cute.Tensor, mSeqlens: cute.Tensor, batch: Int32, split: Int32, num_splits: Int32, c: Int32,
-                warp: Int32, lane: Int32, full: cute.Pointer, bt_early: cutlass.Constexpr[bool] = False,
-                first_only: cutlass.Constexpr[bool] = False):
+                warp: Int32, lane: Int32, full: cute.Pointer, bt_early: cutlass.Constexpr[bool] = False):
     """The split's pages and the TMA partitions; each consumer's warp 0 loads its first two pages (consumer 0's
     first prefetches the descriptors) -> (seqlen, start, n_tiles, first_page, partitions as load_page takes
     them). bt_early (unsplit launches, whose first page is 0): those pages' block-table entries are read beside
-    the request's length instead of after it, so that the first loads wait for one global read, not two.
-    first_only: only the first page each, and the second's block-table entry returned after the partitions (the
-    caller loads it, page c + 2, later; the entry clamped to the table's last column past the request's end)."""
+    the request's length instead of after it, so that the first loads wait for one global read, not two."""
     early = []
     if const_expr(bt_early):
         for p in cutlass.range_constexpr(STAGES // 2):
@@ -109,16 +106,13 @@ def first_pages(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAt
             cpasync.prefetch_descriptor(tma_kv)
             cpasync.prefetch_descriptor(tma_sc)
             cpasync.prefetch_descriptor(tma_pe)
-        for p in cutlass.range_constexpr(1 if const_expr(first_only) else STAGES // 2):
+        for p in cutlass.range_constexpr(STAGES // 2):
             if c + 2 * p < n_tiles:
                 if const_expr(bt_early):
                     load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, early[p], c + 2 * p, lane)
                 else:
                     load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full,
                               mBT[batch, first_page + c + 2 * p], c + 2 * p, lane)
-    if const_expr(first_only):
-        second = early[1] if const_expr(bt_early) else mBT[batch, cutlass.min(first_page + c + 2, mBT.shape[1] - 1)]
-        return seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg), second
     return seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg)
 
 

@@ -100,7 +100,7 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, trace: bool = False, first_page_first: bool = False):
+                 split_epilogue: bool = False, trace: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -118,9 +118,6 @@ class MLADecodeFP8F16Sm90:
         self.split_epilogue = split_epilogue
         # a diagnostic: each CTA's phase clocks in po's place (TRACE_FIELDS)
         self.trace = trace
-        # each consumer's second page loaded once its first has arrived, instead of both at the start, where the
-        # whole grid's four pages a CTA arrive together 11-14 us in (mla_decode.FP8_FIRST_PAGE_FIRST)
-        self.first_page_first = first_page_first
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -206,10 +203,9 @@ class MLADecodeFP8F16Sm90:
         # first where early_start --
         if const_expr(self.early_start):
             q_words, q_pe = _load_q(mQ.iterator.toint(), batch, rows, tidx, n)
-        pages = first_pages(
+        seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg) = first_pages(
             tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE, mBT, mSeqlens, batch, split, num_splits,
-            c, warp, lane, full, bt_early=self.early_start and not self.is_split, first_only=self.first_page_first)
-        seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg) = pages[:5]
+            c, warp, lane, full, bt_early=self.early_start and not self.is_split)
         if const_expr(not self.early_start):
             q_words, q_pe = _load_q(mQ.iterator.toint(), batch, rows, tidx, n)
         _store_q_f16(q_words, q_pe, rows, tidx, n, storage.sQ.data_ptr().toint(), storage.sQpe.data_ptr().toint(),
@@ -292,9 +288,6 @@ class MLADecodeFP8F16Sm90:
                         _stamp(trace_at, T_PAGE0 + c, now)
                     if t < TRACE_PAGES:
                         _stamp(trace_at, T_PAGES_AT + 2 * t, now)
-            if const_expr(self.first_page_first):
-                if u == 0 and warp == 0 and c + 2 < n_tiles:
-                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, pages[5], c + 2, lane)
             # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
             for hr in cutlass.range_constexpr(2):
                 keep = k0 + 8 * hr < valid
