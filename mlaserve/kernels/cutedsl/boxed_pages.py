@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N
-from mlaserve.kernels.cutedsl.keys_on_m import col_slot, store_lse
+from mlaserve.kernels.cutedsl.keys_on_m import col_slot, finish_columns, store_lse
 from mlaserve.kernels.cutedsl.mla_decode_kernel import grid_request, page_split
 
 GROUPS = 4            # scale groups of 128 columns
@@ -26,6 +26,8 @@ CONSUMER_THREADS = 128
 THREADS = 256         # two consumer warpgroups, no producer
 WARPS = 4             # a consumer's warps
 STAGES = 4            # consumer c owns stages c and c + 2 (pages t = c, c + 2, ...)
+BAR_MERGE = 2         # both consumers: the stashes for the end's merge stored
+BAR_RED = 3           # + 2 c: consumer c's 4 warps: column maxima (then sums); a page's stage read
 
 
 def page_host_setup(kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, num_pages: Int32, stages: int):
@@ -197,6 +199,25 @@ def merge_stash(acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32
                 acc_o[m][i] = acc_o[m][i] * a0[col_slot(i, n)] + other * a1[col_slot(i, n)]
             else:
                 acc_o[m][i] = cute.math.fma(other, a1[col_slot(i, n)], acc_o[m][i] * a0[col_slot(i, n)])
+
+
+@cute.jit
+def one_consumer_end(c: Int32, acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32, merge: list,
+                     merge_ml: cute.Tensor, n_tiles: Int32, cols: list, lane: Int32, warp: Int32, red: cute.Tensor,
+                     n: cutlass.Constexpr[int], store):
+    """The two consumers' end where consumer 0 finishes all of O^T: consumer 1 leaves its O^T, maxima and sums in
+    the stash (stash_tensors' `merge`, `merge_ml`) and is done; consumer 0 folds them in, takes the whole columns'
+    sums on the parity its last page left free (finish_columns through `red`) and calls store(inv_l, lse), which
+    may only call cute.jit functions (it runs outside the DSL's rewriting of control flow)."""
+    if c == 1:
+        stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
+        cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+    else:
+        cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
+        merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, n)
+        par = (n_tiles + 1) // 2 % 2
+        inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, red, (par, 0), BAR_RED, CONSUMER_THREADS)
+        store(inv_l, lse)
 
 
 @cute.jit

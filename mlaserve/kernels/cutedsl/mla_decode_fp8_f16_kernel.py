@@ -69,9 +69,9 @@ from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_t
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, take_column_max)
 from mlaserve.kernels.cutedsl.boxed_pages import (
-    CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start, load_page,
-    merge_stash, page_host_setup,
-    stash_consumer, stash_tensors, store_rows, wait_page)
+    BAR_MERGE, BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages,
+    kernel_start, load_page, merge_stash, one_consumer_end, page_host_setup, stash_consumer, stash_tensors,
+    store_rows, wait_page)
 from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
     _bf16x2_to_f32, _ld_global_v4_b32, _ldsm_x4, _pow2_scale, _st_shared_words, _v_fragment)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
@@ -80,8 +80,6 @@ from mlaserve.kernels.cutedsl.mla_decode_kernel import (
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
 CHUNK = 2             # K blocks converted a wgmma group (4 k-steps, 16 registers; two such buffers)
 BAR_Q = 1             # both consumers: Q stored
-BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
-BAR_RED = 3           # + 2 c: consumer c's 4 warps: column maxima (then sums); a page's stage read
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
 VS_WORDS = GROUPS * 4 * 8  # the V scales' table a page: group, lane % 4, 8 f16x2 words
 # traced launches (mla_decode.TRACE; unsplit, unordered), int32 per CTA in po's place: SM, start ns, start clock
@@ -418,19 +416,12 @@ class MLADecodeFP8F16Sm90:
                 [cute.recast_ptr(storage.sK.data_ptr() + (1 + 2 * p) * KV_BYTES, dtype=Float32) for p in range(2)],
                 cute.recast_ptr(storage.sPE.data_ptr() + TILE_N * D_PE, dtype=Float32), vals, slots,
                 CONSUMER_THREADS)
-            if c == 1:
-                stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
-                cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-            else:
-                cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-                merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, n)
 
-                # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
-                par = (n_tiles + 1) // 2 % 2
-                inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED,
-                                            CONSUMER_THREADS)
+            def store(inv_l, lse):
                 store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL,
                            n, self.is_split)
+            one_consumer_end(c, acc_o, col_m, col_l, ctid, merge, merge_ml, n_tiles, cols, lane, warp, sRed, n,
+                             store)
         if const_expr(self.trace):
             if ctid == 0:
                 _stamp(trace_at, T_END + c, cute.arch.clock())

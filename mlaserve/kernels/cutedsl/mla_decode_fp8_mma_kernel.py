@@ -45,20 +45,18 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.boxed_pages import (
-    CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start, load_page,
-    merge_stash, page_host_setup,
-    stash_consumer, stash_tensors, store_rows, v_dim, wait_page)
+    BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start,
+    load_page, one_consumer_end, page_host_setup, stash_tensors, store_rows, v_dim, wait_page)
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
-    col_slot, columns, exp_columns, finish_columns, mask_keys, store_lse, take_column_max)
+    col_slot, columns, exp_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, ordered_tensors, visible_keys)
 
 N = 16                # query rows a CTA
 NH = 2 * N            # hi and lo parts on wgmma's N
 BAR_Q = 1             # both consumers: Q's parts stored
-BAR_MERGE = 2         # both consumers: consumer 1's partial results stored
-BAR_RED = 3           # + 2 c: consumer c's 4 warps: column and scale maxima (then sums); a page's stage read
+# boxed_pages.BAR_RED + 2 c: consumer c's 4 warps: column and scale maxima (then sums); a page's stage read
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
 Q_RANGE_EXP = 7       # q * 2^a has its largest |value| in [2^7, 2^8)
 P_RANGE = 256.0
@@ -344,31 +342,32 @@ class MLADecodeFP8MmaSm90:
         merge, merge_ml = stash_tensors([cute.recast_ptr(storage.sK.data_ptr() + KV_BYTES, dtype=Float32)],
                                         cute.recast_ptr(storage.sK.data_ptr() + 3 * KV_BYTES, dtype=Float32),
                                         vals, slots, CONSUMER_THREADS)
-        if c == 1:
-            stash_consumer(acc_o, col_m, col_l, ctid, merge, merge_ml)
-            cute.arch.barrier_arrive(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-        else:
-            cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-            merge_stash(acc_o, col_m, col_l, ctid, merge, merge_ml, N)
 
-            # -- epilogue: whole column sums (shuffles, then the 4 warps), normalize, store --
-            par = (n_tiles + 1) // 2 % 2
-            inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, 0), BAR_RED, CONSUMER_THREADS)
-            if const_expr(self.vec_io):
+        def store(inv_l, lse):
+            if self.vec_io:
                 store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL,
                            N, self.is_split)
             else:
-                for m in cutlass.range_constexpr(M_TILES):
-                    for i in cutlass.range_constexpr(vals):
-                        r = tOcO[i][1]
-                        d = 64 * m + v_dim(tOcO[i][0])
-                        if r < rows:
-                            val = acc_o[m][i] * inv_l[col_slot(i, N)]
-                            if const_expr(self.is_split):
-                                mPO[batch, split, r, d] = val
-                            else:
-                                mOut[batch, r, d] = val.to(self.dtype)
+                _store_values(acc_o, inv_l, tOcO, rows, batch, split, mOut, mPO, self.dtype, self.is_split)
                 store_lse(lse, cols, lane, warp, rows, mLse, mPL, batch, split, self.is_split)
+        one_consumer_end(c, acc_o, col_m, col_l, ctid, merge, merge_ml, n_tiles, cols, lane, warp, sRed, N, store)
+
+
+@cute.jit
+def _store_values(acc_o: list, inv_l: cute.Tensor, tOcO: cute.Tensor, rows: Int32, batch: Int32, split: Int32,
+                  mOut: cute.Tensor, mPO: cute.Tensor, dtype: cutlass.Constexpr, is_split: cutlass.Constexpr[bool]):
+    """O^T normalized into the request's rows value by value (FP8_MMA_VEC_IO off): bf16 out, or the split's fp32
+    partials."""
+    for m in cutlass.range_constexpr(M_TILES):
+        for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+            r = tOcO[i][1]
+            d = 64 * m + v_dim(tOcO[i][0])
+            if r < rows:
+                val = acc_o[m][i] * inv_l[col_slot(i, N)]
+                if const_expr(is_split):
+                    mPO[batch, split, r, d] = val
+                else:
+                    mOut[batch, r, d] = val.to(dtype)
 
 
 @cute.jit
