@@ -76,6 +76,7 @@ from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
     _bf16x2_to_f32, _ld_global_v4_b32, _ldsm_x4, _pow2_scale, _st_shared_words, _v_fragment)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, ordered_tensors, visible_keys)
+from mlaserve.kernels.cutedsl.split_consumers import LAZY_RESCALE_LOG2, barrier_any
 
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
 CHUNK = 2             # K blocks converted a wgmma group (4 k-steps, 16 registers; two such buffers)
@@ -98,7 +99,7 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, trace: bool = False):
+                 split_epilogue: bool = False, one_barrier: bool = False, trace: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -114,6 +115,9 @@ class MLADecodeFP8F16Sm90:
         # both consumers merge and store half of O^T each, instead of consumer 0 all of it while consumer 1 waits
         # (mla_decode.FP8_SPLIT_EPILOGUE)
         self.split_epilogue = split_epilogue
+        # softmax on one barrier a page where no column's max rises by more than LAZY_RESCALE_LOG2 (the lazy
+        # running max of mla_decode.FP8_ONE_BARRIER), against two every page (mla_decode.FP8_F16_ONE_BARRIER)
+        self.one_barrier = one_barrier
         # a diagnostic: each CTA's phase clocks in po's place (TRACE_FIELDS)
         self.trace = trace
 
@@ -337,28 +341,45 @@ class MLADecodeFP8F16Sm90:
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
             mask_keys(acc_s, tok0, k0, vis, min_vis, n)
-            # -- column maxima: own rows, the warp, then the 4 warps --
-            publish_column_max(acc_s, cols, lane, warp, sRed, (u % 2, c))
-            cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-            for s in cutlass.range_constexpr(slots):
-                m_prev[s] = col_m[s]
-            take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
-            exp_columns(acc_s, m_base, col_l, n)
-            # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
-            for s in cutlass.range_constexpr(slots):
-                i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
-                _st_shared_words(p_addr[s], [_cvt_pair(acc_s[i], acc_s[i + 2])])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
-            # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
-            # and every warp sees the same maxima) --
-            moved = col_m[0] != m_prev[0]
-            for s in cutlass.range_constexpr(1, slots):
-                moved = moved | (col_m[s] != m_prev[s])
-            if cute.arch.vote_any_sync(moved):
-                for m in cutlass.range_constexpr(M_TILES):
-                    for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+            if const_expr(self.one_barrier):
+                # -- P^T against the running maxima, stored; one barrier, which also tells whether any value rose
+                # more than LAZY_RESCALE_LOG2 above its column's max (any finite value of a column with none yet)
+                # -> then the exact step below, from the same S, P^T stored over the first --
+                rose = Int32(0)
+                for s in cutlass.range_constexpr(slots):
+                    i = 4 * (s // 2) + s % 2
+                    p0 = cute.arch.exp2(acc_s[i] - m_base[s])
+                    p1 = cute.arch.exp2(acc_s[i + 2] - m_base[s])
+                    m_prev[s] = p0 + p1             # this page's sums, kept where nothing rose
+                    _st_shared_words(p_addr[s], [_cvt_pair(p0, p1)])
+                    # -inf - -inf (no key yet, none here) is NaN, which compares false
+                    if cute.arch.fmax(acc_s[i], acc_s[i + 2]) - col_m[s] > LAZY_RESCALE_LOG2:
+                        rose = Int32(1)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if barrier_any(rose, bar_p, CONSUMER_THREADS) != 0:
+                    _exact_p(acc_s, col_m, col_l, alpha, m_base, cols, lane, warp, sRed, (u % 2, c), p_addr, bar_red,
+                             bar_p, n)
+                    for m in cutlass.range_constexpr(M_TILES):
+                        for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                            acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+                else:
+                    for s in cutlass.range_constexpr(slots):
+                        col_l[s] = col_l[s] + m_prev[s]
+            else:
+                for s in cutlass.range_constexpr(slots):
+                    m_prev[s] = col_m[s]
+                _exact_p(acc_s, col_m, col_l, alpha, m_base, cols, lane, warp, sRed, (u % 2, c), p_addr, bar_red,
+                         bar_p, n)
+                # -- O^T = alpha O^T (only where a column's max moved: alpha is 1 elsewhere, and every warp sees the
+                # same maxima) --
+                moved = col_m[0] != m_prev[0]
+                for s in cutlass.range_constexpr(1, slots):
+                    moved = moved | (col_m[s] != m_prev[s])
+                if cute.arch.vote_any_sync(moved):
+                    for m in cutlass.range_constexpr(M_TILES):
+                        for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                            acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+            # -- O^T += sum_m V^T_m P^T --
             vsw = cute.make_rmem_tensor(8, Int32)
             for m in cutlass.range_constexpr(M_TILES):
                 if const_expr(m % 2 == 0):
@@ -427,6 +448,24 @@ class MLADecodeFP8F16Sm90:
                 _stamp(trace_at, T_END + c, cute.arch.clock())
                 if c == 0:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
+
+
+@cute.jit
+def _exact_p(acc_s: cute.Tensor, col_m: cute.Tensor, col_l: cute.Tensor, alpha: cute.Tensor, m_base: cute.Tensor,
+             cols: list, lane: Int32, warp: Int32, sRed: cute.Tensor, at: tuple, p_addr: cute.Tensor, bar_red: Int32,
+             bar_p: Int32, n: cutlass.Constexpr[int]):
+    """The page's softmax step on the exact column maxima: maxima over the consumer's 4 warps (a barrier), the
+    running maxima moved (alpha, col_l rescaled), P^T = exp2(S - m_base) in f16 into smem (keys k0, k0 + 8 of a
+    column as one pair) and a second barrier, after which the consumer's O^T products may read it."""
+    publish_column_max(acc_s, cols, lane, warp, sRed, at)
+    cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+    take_column_max(col_m, col_l, alpha, m_base, cols, sRed, at)
+    exp_columns(acc_s, m_base, col_l, n)
+    for s in cutlass.range_constexpr(len(cols)):
+        i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
+        _st_shared_words(p_addr[s], [_cvt_pair(acc_s[i], acc_s[i + 2])])
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
 
 
 @dsl_user_op
