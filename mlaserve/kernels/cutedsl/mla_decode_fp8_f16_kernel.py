@@ -99,7 +99,8 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, one_barrier: bool = False, trace: bool = False):
+                 split_epilogue: bool = False, one_barrier: bool = False, rotated: bool = False,
+                 trace: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -118,6 +119,9 @@ class MLADecodeFP8F16Sm90:
         # softmax on one barrier a page where no column's max rises by more than LAZY_RESCALE_LOG2 (the lazy
         # running max of mla_decode.FP8_ONE_BARRIER), against two every page (mla_decode.FP8_F16_ONE_BARRIER)
         self.one_barrier = one_barrier
+        # each page's front (its wait, V table and k_pe products: _page_front) issued while the consumer's page
+        # before still runs its O^T products, instead of after waiting for them (mla_decode.FP8_F16_ROTATED)
+        self.rotated = rotated
         # a diagnostic: each CTA's phase clocks in po's place (TRACE_FIELDS)
         self.trace = trace
 
@@ -277,20 +281,25 @@ class MLADecodeFP8F16Sm90:
         next_page = Int32(0)
         if warp == 0 and c + STAGES < n_tiles:
             next_page = mBT[batch, first_page + c + STAGES]
+        front = (full, k_base, start, seqlen, ctid, bar_p, sSc, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c)
+        # rotated: the front of the consumer's next page, taken in the iteration before
+        ahead = [Int32(0), Int32(0), Int32(0), Int32(0)]
+        if const_expr(self.rotated):
+            if c < n_tiles:
+                ahead = list(_page_front(c, 0, front, self.trace))
+            _kpe_products(c % STAGES, tiled_mma_pe, tSrKpe, tSrQpe, acc_s)
         for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
             t = c + 2 * u
             later_page = Int32(0)
             if warp == 0 and t + 2 + STAGES < n_tiles:
                 later_page = mBT[batch, first_page + t + 2 + STAGES]
-            st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
-            if const_expr(self.trace):
-                if ctid == 0:
-                    now = cute.arch.clock()
-                    if u == 0:
-                        _stamp(trace_at, T_PAGE0 + c, now)
-                    if t < TRACE_PAGES:
-                        _stamp(trace_at, T_PAGES_AT + 2 * t, now)
-            # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
+            if const_expr(self.rotated):
+                st, tok0, valid, stage_base = ahead
+            else:
+                st, tok0, valid, stage_base = _page_front(t, u, front, self.trace)
+                _kpe_products(st, tiled_mma_pe, tSrKpe, tSrQpe, acc_s)
+            vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
+            # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs --
             for hr in cutlass.range_constexpr(2):
                 keep = k0 + 8 * hr < valid
                 for g in cutlass.range_constexpr(GROUPS):
@@ -298,21 +307,7 @@ class MLADecodeFP8F16Sm90:
                     if not keep:
                         v = Float32(0.0)
                     ks[hr, g] = _cvt_pair(v, v)
-            sa = sSc[vb_key, vb_g, st]
-            sb = sSc[vb_key + 8, vb_g, st]
-            if vb_key >= valid:
-                sa = Float32(0.0)
-            if vb_key + 8 >= valid:
-                sb = Float32(0.0)
-            vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            _st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [_cvt_pair(sa, sb)])
-            # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
-            warpgroup.fence()
-            atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
-            for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
-                atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
-                cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
-            warpgroup.commit_group()
+            # -- S^T: k_pe (bf16, smem; _page_front), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
             atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
             atom_qk.set(warpgroup.Field.ACCUMULATE, True)
             for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
@@ -414,6 +409,12 @@ class MLADecodeFP8F16Sm90:
                 for kk in cutlass.range_constexpr(TILE_N // 16):
                     cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
                 warpgroup.commit_group()
+            if const_expr(self.rotated):
+                # the consumer's next page's front while this page's O^T products run; its k_pe products outside
+                # the branch (in one, ptxas waits for them at its end), on a stage nothing refills past the last page
+                if t + 2 < n_tiles:
+                    ahead = list(_page_front(t + 2, u + 1, front, self.trace))
+                _kpe_products((t + 2) % STAGES, tiled_mma_pe, tSrKpe, tSrQpe, acc_s)
             warpgroup.wait_group(0)
             next_page = later_page
             if const_expr(self.trace):
@@ -448,6 +449,44 @@ class MLADecodeFP8F16Sm90:
                 _stamp(trace_at, T_END + c, cute.arch.clock())
                 if c == 0:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
+
+
+@cute.jit
+def _page_front(t: Int32, u: Int32, front: tuple, trace: cutlass.Constexpr[bool]):
+    """The start of a consumer's page t (its u-th): the wait for its bytes (rows past the request zeroed) and the
+    page's V scales' table into the consumer's buffer u % 2 (read after the page's softmax barrier) -> wait_page's
+    (stage, first token, valid tokens, stage base). _kpe_products follows."""
+    (full, k_base, start, seqlen, ctid, bar_p, sSc, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c) = front
+    st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
+    if const_expr(trace):
+        if ctid == 0:
+            now = cute.arch.clock()
+            if u == 0:
+                _stamp(trace_at, T_PAGE0 + c, now)
+            if t < TRACE_PAGES:
+                _stamp(trace_at, T_PAGES_AT + 2 * t, now)
+    sa = sSc[vb_key, vb_g, st]
+    sb = sSc[vb_key + 8, vb_g, st]
+    if vb_key >= valid:
+        sa = Float32(0.0)
+    if vb_key + 8 >= valid:
+        sb = Float32(0.0)
+    vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
+    _st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [_cvt_pair(sa, sb)])
+    return st, tok0, valid, stage_base
+
+
+@cute.jit
+def _kpe_products(st: Int32, tiled_mma_pe: cute.TiledMma, tSrKpe: cute.Tensor, tSrQpe: cute.Tensor,
+                  acc_s: cute.Tensor):
+    """S^T's k_pe products of the page in stage st (bf16, smem) issued into acc_s, a fresh accumulation, as one
+    wgmma group."""
+    warpgroup.fence()
+    atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
+    for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
+        atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
+        cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
+    warpgroup.commit_group()
 
 
 @cute.jit
