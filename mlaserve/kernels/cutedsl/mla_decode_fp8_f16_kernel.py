@@ -281,7 +281,7 @@ class MLADecodeFP8F16Sm90:
         next_page = Int32(0)
         if warp == 0 and c + STAGES < n_tiles:
             next_page = mBT[batch, first_page + c + STAGES]
-        front = (full, k_base, start, seqlen, ctid, bar_p, sSc, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c)
+        front = (full, k_base, start, seqlen, ctid, bar_p, sSc, k0, ks, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c)
         # rotated: the front of the consumer's next page, taken in the iteration before
         ahead = [Int32(0), Int32(0), Int32(0), Int32(0)]
         if const_expr(self.rotated):
@@ -299,15 +299,8 @@ class MLADecodeFP8F16Sm90:
                 st, tok0, valid, stage_base = _page_front(t, u, front, self.trace)
                 _kpe_products(st, tiled_mma_pe, tSrKpe, tSrQpe, acc_s)
             vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs --
-            for hr in cutlass.range_constexpr(2):
-                keep = k0 + 8 * hr < valid
-                for g in cutlass.range_constexpr(GROUPS):
-                    v = sSc[k0 + 8 * hr, g, st]
-                    if not keep:
-                        v = Float32(0.0)
-                    ks[hr, g] = _cvt_pair(v, v)
-            # -- S^T: k_pe (bf16, smem; _page_front), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
+            # -- S^T: k_pe (bf16, smem; _kpe_products), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers;
+            # the scales ks from _page_front) --
             atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
             atom_qk.set(warpgroup.Field.ACCUMULATE, True)
             for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
@@ -453,10 +446,11 @@ class MLADecodeFP8F16Sm90:
 
 @cute.jit
 def _page_front(t: Int32, u: Int32, front: tuple, trace: cutlass.Constexpr[bool]):
-    """The start of a consumer's page t (its u-th): the wait for its bytes (rows past the request zeroed) and the
-    page's V scales' table into the consumer's buffer u % 2 (read after the page's softmax barrier) -> wait_page's
-    (stage, first token, valid tokens, stage base). _kpe_products follows."""
-    (full, k_base, start, seqlen, ctid, bar_p, sSc, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c) = front
+    """The start of a consumer's page t (its u-th): the wait for its bytes (rows past the request zeroed), K's
+    scales of the thread's rows k0, k0 + 8 into ks as f16x2 pairs (0 past the request), and the page's V scales'
+    table into the consumer's buffer u % 2 (read after the page's softmax barrier) -> wait_page's (stage, first
+    token, valid tokens, stage base). _kpe_products follows."""
+    (full, k_base, start, seqlen, ctid, bar_p, sSc, k0, ks, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c) = front
     st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
     if const_expr(trace):
         if ctid == 0:
@@ -465,6 +459,13 @@ def _page_front(t: Int32, u: Int32, front: tuple, trace: cutlass.Constexpr[bool]
                 _stamp(trace_at, T_PAGE0 + c, now)
             if t < TRACE_PAGES:
                 _stamp(trace_at, T_PAGES_AT + 2 * t, now)
+    for hr in cutlass.range_constexpr(2):
+        keep = k0 + 8 * hr < valid
+        for g in cutlass.range_constexpr(GROUPS):
+            v = sSc[k0 + 8 * hr, g, st]
+            if not keep:
+                v = Float32(0.0)
+            ks[hr, g] = _cvt_pair(v, v)
     sa = sSc[vb_key, vb_g, st]
     sb = sSc[vb_key + 8, vb_g, st]
     if vb_key >= valid:
