@@ -29,10 +29,6 @@ switches, read at launch (so captured with each graph):
                  those pages' block-table entries read beside the request's length) against after them
   FP8_SPLIT_EPILOGUE  cutedsl: the f16-register FP8 kernel's two consumers merging and storing half of O^T each
                  against consumer 0 all of it
-  FP8_F16_ONE_BARRIER  cutedsl: the f16-register FP8 kernel's softmax on one barrier a page where no column's max
-                 rises by more than 2^8 against two every page (not the same bits: the running max is lazy)
-  FP8_F16_ROTATED  cutedsl: the f16-register FP8 kernel's next page's front (wait, V table, k_pe products) issued
-                 under this page's O^T products against after them
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -258,8 +254,6 @@ SWITCHES = {
     "FP8_MMA_EARLY_REFILL": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_MMA_EARLY_REFILL")),
     "FP8_EARLY_START": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_EARLY_START")),
     "FP8_SPLIT_EPILOGUE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SPLIT_EPILOGUE")),
-    "FP8_F16_ONE_BARRIER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_ONE_BARRIER")),
-    "FP8_F16_ROTATED": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_ROTATED")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
     "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),

@@ -252,15 +252,6 @@ FP8_EARLY_START = True
 # writes its merge's fma out: boxed_pages.merge_stash). On an H100 (bench/NOTES.md 136; decode_ab, --sustain-ms 20,
 # off/on): b128 h16 4k / 8k 1.003 / 1.003x, h32 4k / 8k 1.003 / 1.006x, b16 h32 32k (split) 1.001x (False: for A/B)
 FP8_SPLIT_EPILOGUE = True
-# The f16-register FP8 kernel's softmax on one barrier a page where no column's max rises by more than
-# split_consumers.LAZY_RESCALE_LOG2 (P^T stored against the running max, then one bar.red.or that is also P^T's
-# barrier), against the maxima's barrier and P^T's every page (FP8_ONE_BARRIER's rule). Not the same bits (the
-# running max is lazy). Off until measured
-FP8_F16_ONE_BARRIER = False
-# The f16-register FP8 kernel's page loop rotated: a consumer's next page's front (its wait, V scales' table and k_pe
-# products) issued while this page's O^T products still run, instead of after waiting for them (a wgmma may not stay
-# in flight across the loop's back edge: bench/NOTES.md 140). The same bits. Off until measured
-FP8_F16_ROTATED = False
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -472,8 +463,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             raise ValueError(f"the FP8 f16 kernel takes FP8 KV at 16 or 32 rows, got kv_fp8={kv_fp8}, "
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
         key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
-            ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ()) + (("one-barrier",) if FP8_F16_ONE_BARRIER else ()) + (
-            ("rotated",) if FP8_F16_ROTATED else ())
+            ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -497,9 +487,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
             fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
                                                        early_start=FP8_EARLY_START,
-                                                       split_epilogue=FP8_SPLIT_EPILOGUE,
-                                                       one_barrier=FP8_F16_ONE_BARRIER, rotated=FP8_F16_ROTATED,
-                                                       trace=trace),
+                                                       split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

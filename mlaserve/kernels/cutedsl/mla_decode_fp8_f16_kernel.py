@@ -76,7 +76,6 @@ from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
     _bf16x2_to_f32, _ld_global_v4_b32, _ldsm_x4, _pow2_scale, _st_shared_words, _v_fragment)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import (
     first_masked_key, ordered_tensors, visible_keys)
-from mlaserve.kernels.cutedsl.split_consumers import LAZY_RESCALE_LOG2, barrier_any
 
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
 CHUNK = 2             # K blocks converted a wgmma group (4 k-steps, 16 registers; two such buffers)
@@ -99,8 +98,7 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, one_barrier: bool = False, rotated: bool = False,
-                 trace: bool = False):
+                 split_epilogue: bool = False, trace: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -116,12 +114,6 @@ class MLADecodeFP8F16Sm90:
         # both consumers merge and store half of O^T each, instead of consumer 0 all of it while consumer 1 waits
         # (mla_decode.FP8_SPLIT_EPILOGUE)
         self.split_epilogue = split_epilogue
-        # softmax on one barrier a page where no column's max rises by more than LAZY_RESCALE_LOG2 (the lazy
-        # running max of mla_decode.FP8_ONE_BARRIER), against two every page (mla_decode.FP8_F16_ONE_BARRIER)
-        self.one_barrier = one_barrier
-        # each page's front (its wait, V table and k_pe products: _page_front) issued while the consumer's page
-        # before still runs its O^T products, instead of after waiting for them (mla_decode.FP8_F16_ROTATED)
-        self.rotated = rotated
         # a diagnostic: each CTA's phase clocks in po's place (TRACE_FIELDS)
         self.trace = trace
 
@@ -281,26 +273,42 @@ class MLADecodeFP8F16Sm90:
         next_page = Int32(0)
         if warp == 0 and c + STAGES < n_tiles:
             next_page = mBT[batch, first_page + c + STAGES]
-        front = (full, k_base, start, seqlen, ctid, bar_p, sSc, k0, ks, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c)
-        # rotated: the front of the consumer's next page, taken in the iteration before
-        ahead = [Int32(0), Int32(0), Int32(0), Int32(0)]
-        if const_expr(self.rotated):
-            if c < n_tiles:
-                ahead = list(_page_front(c, 0, front, self.trace))
-            _kpe_products(c % STAGES, tiled_mma_pe, tSrKpe, tSrQpe, acc_s)
         for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
             t = c + 2 * u
             later_page = Int32(0)
             if warp == 0 and t + 2 + STAGES < n_tiles:
                 later_page = mBT[batch, first_page + t + 2 + STAGES]
-            if const_expr(self.rotated):
-                st, tok0, valid, stage_base = ahead
-            else:
-                st, tok0, valid, stage_base = _page_front(t, u, front, self.trace)
-                _kpe_products(st, tiled_mma_pe, tSrKpe, tSrQpe, acc_s)
+            st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
+            if const_expr(self.trace):
+                if ctid == 0:
+                    now = cute.arch.clock()
+                    if u == 0:
+                        _stamp(trace_at, T_PAGE0 + c, now)
+                    if t < TRACE_PAGES:
+                        _stamp(trace_at, T_PAGES_AT + 2 * t, now)
+            # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
+            for hr in cutlass.range_constexpr(2):
+                keep = k0 + 8 * hr < valid
+                for g in cutlass.range_constexpr(GROUPS):
+                    v = sSc[k0 + 8 * hr, g, st]
+                    if not keep:
+                        v = Float32(0.0)
+                    ks[hr, g] = _cvt_pair(v, v)
+            sa = sSc[vb_key, vb_g, st]
+            sb = sSc[vb_key + 8, vb_g, st]
+            if vb_key >= valid:
+                sa = Float32(0.0)
+            if vb_key + 8 >= valid:
+                sb = Float32(0.0)
             vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            # -- S^T: k_pe (bf16, smem; _kpe_products), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers;
-            # the scales ks from _page_front) --
+            _st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [_cvt_pair(sa, sb)])
+            # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
+            warpgroup.fence()
+            atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
+            for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
+                atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
+                cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
+            warpgroup.commit_group()
             atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
             atom_qk.set(warpgroup.Field.ACCUMULATE, True)
             for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
@@ -329,45 +337,28 @@ class MLADecodeFP8F16Sm90:
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
             mask_keys(acc_s, tok0, k0, vis, min_vis, n)
-            if const_expr(self.one_barrier):
-                # -- P^T against the running maxima, stored; one barrier, which also tells whether any value rose
-                # more than LAZY_RESCALE_LOG2 above its column's max (any finite value of a column with none yet)
-                # -> then the exact step below, from the same S, P^T stored over the first --
-                rose = Int32(0)
-                for s in cutlass.range_constexpr(slots):
-                    i = 4 * (s // 2) + s % 2
-                    p0 = cute.arch.exp2(acc_s[i] - m_base[s])
-                    p1 = cute.arch.exp2(acc_s[i + 2] - m_base[s])
-                    m_prev[s] = p0 + p1             # this page's sums, kept where nothing rose
-                    _st_shared_words(p_addr[s], [_cvt_pair(p0, p1)])
-                    # -inf - -inf (no key yet, none here) is NaN, which compares false
-                    if cute.arch.fmax(acc_s[i], acc_s[i + 2]) - col_m[s] > LAZY_RESCALE_LOG2:
-                        rose = Int32(1)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                if barrier_any(rose, bar_p, CONSUMER_THREADS) != 0:
-                    _exact_p(acc_s, col_m, col_l, alpha, m_base, cols, lane, warp, sRed, (u % 2, c), p_addr, bar_red,
-                             bar_p, n)
-                    for m in cutlass.range_constexpr(M_TILES):
-                        for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                            acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
-                else:
-                    for s in cutlass.range_constexpr(slots):
-                        col_l[s] = col_l[s] + m_prev[s]
-            else:
-                for s in cutlass.range_constexpr(slots):
-                    m_prev[s] = col_m[s]
-                _exact_p(acc_s, col_m, col_l, alpha, m_base, cols, lane, warp, sRed, (u % 2, c), p_addr, bar_red,
-                         bar_p, n)
-                # -- O^T = alpha O^T (only where a column's max moved: alpha is 1 elsewhere, and every warp sees the
-                # same maxima) --
-                moved = col_m[0] != m_prev[0]
-                for s in cutlass.range_constexpr(1, slots):
-                    moved = moved | (col_m[s] != m_prev[s])
-                if cute.arch.vote_any_sync(moved):
-                    for m in cutlass.range_constexpr(M_TILES):
-                        for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                            acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
-            # -- O^T += sum_m V^T_m P^T --
+            # -- column maxima: own rows, the warp, then the 4 warps --
+            publish_column_max(acc_s, cols, lane, warp, sRed, (u % 2, c))
+            cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+            for s in cutlass.range_constexpr(slots):
+                m_prev[s] = col_m[s]
+            take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
+            exp_columns(acc_s, m_base, col_l, n)
+            # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
+            for s in cutlass.range_constexpr(slots):
+                i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
+                _st_shared_words(p_addr[s], [_cvt_pair(acc_s[i], acc_s[i + 2])])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+            # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
+            # and every warp sees the same maxima) --
+            moved = col_m[0] != m_prev[0]
+            for s in cutlass.range_constexpr(1, slots):
+                moved = moved | (col_m[s] != m_prev[s])
+            if cute.arch.vote_any_sync(moved):
+                for m in cutlass.range_constexpr(M_TILES):
+                    for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
             vsw = cute.make_rmem_tensor(8, Int32)
             for m in cutlass.range_constexpr(M_TILES):
                 if const_expr(m % 2 == 0):
@@ -402,12 +393,6 @@ class MLADecodeFP8F16Sm90:
                 for kk in cutlass.range_constexpr(TILE_N // 16):
                     cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
                 warpgroup.commit_group()
-            if const_expr(self.rotated):
-                # the consumer's next page's front while this page's O^T products run; its k_pe products outside
-                # the branch (in one, ptxas waits for them at its end), on a stage nothing refills past the last page
-                if t + 2 < n_tiles:
-                    ahead = list(_page_front(t + 2, u + 1, front, self.trace))
-                _kpe_products((t + 2) % STAGES, tiled_mma_pe, tSrKpe, tSrQpe, acc_s)
             warpgroup.wait_group(0)
             next_page = later_page
             if const_expr(self.trace):
@@ -442,70 +427,6 @@ class MLADecodeFP8F16Sm90:
                 _stamp(trace_at, T_END + c, cute.arch.clock())
                 if c == 0:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
-
-
-@cute.jit
-def _page_front(t: Int32, u: Int32, front: tuple, trace: cutlass.Constexpr[bool]):
-    """The start of a consumer's page t (its u-th): the wait for its bytes (rows past the request zeroed), K's
-    scales of the thread's rows k0, k0 + 8 into ks as f16x2 pairs (0 past the request), and the page's V scales'
-    table into the consumer's buffer u % 2 (read after the page's softmax barrier) -> wait_page's (stage, first
-    token, valid tokens, stage base). _kpe_products follows."""
-    (full, k_base, start, seqlen, ctid, bar_p, sSc, k0, ks, vb_key, vb_g, vb_c, vb_j, vs_base, trace_at, c) = front
-    st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
-    if const_expr(trace):
-        if ctid == 0:
-            now = cute.arch.clock()
-            if u == 0:
-                _stamp(trace_at, T_PAGE0 + c, now)
-            if t < TRACE_PAGES:
-                _stamp(trace_at, T_PAGES_AT + 2 * t, now)
-    for hr in cutlass.range_constexpr(2):
-        keep = k0 + 8 * hr < valid
-        for g in cutlass.range_constexpr(GROUPS):
-            v = sSc[k0 + 8 * hr, g, st]
-            if not keep:
-                v = Float32(0.0)
-            ks[hr, g] = _cvt_pair(v, v)
-    sa = sSc[vb_key, vb_g, st]
-    sb = sSc[vb_key + 8, vb_g, st]
-    if vb_key >= valid:
-        sa = Float32(0.0)
-    if vb_key + 8 >= valid:
-        sb = Float32(0.0)
-    vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-    _st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [_cvt_pair(sa, sb)])
-    return st, tok0, valid, stage_base
-
-
-@cute.jit
-def _kpe_products(st: Int32, tiled_mma_pe: cute.TiledMma, tSrKpe: cute.Tensor, tSrQpe: cute.Tensor,
-                  acc_s: cute.Tensor):
-    """S^T's k_pe products of the page in stage st (bf16, smem) issued into acc_s, a fresh accumulation, as one
-    wgmma group."""
-    warpgroup.fence()
-    atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
-    for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
-        atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
-        cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
-    warpgroup.commit_group()
-
-
-@cute.jit
-def _exact_p(acc_s: cute.Tensor, col_m: cute.Tensor, col_l: cute.Tensor, alpha: cute.Tensor, m_base: cute.Tensor,
-             cols: list, lane: Int32, warp: Int32, sRed: cute.Tensor, at: tuple, p_addr: cute.Tensor, bar_red: Int32,
-             bar_p: Int32, n: cutlass.Constexpr[int]):
-    """The page's softmax step on the exact column maxima: maxima over the consumer's 4 warps (a barrier), the
-    running maxima moved (alpha, col_l rescaled), P^T = exp2(S - m_base) in f16 into smem (keys k0, k0 + 8 of a
-    column as one pair) and a second barrier, after which the consumer's O^T products may read it."""
-    publish_column_max(acc_s, cols, lane, warp, sRed, at)
-    cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-    take_column_max(col_m, col_l, alpha, m_base, cols, sRed, at)
-    exp_columns(acc_s, m_base, col_l, n)
-    for s in cutlass.range_constexpr(len(cols)):
-        i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
-        _st_shared_words(p_addr[s], [_cvt_pair(acc_s[i], acc_s[i + 2])])
-    cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
 
 
 @dsl_user_op

@@ -233,21 +233,14 @@ def arrive_p_free(cw: Int32):
 
 
 @dsl_user_op
-def barrier_any(pred: Int32, barrier_id, threads: int, *, loc=None, ip=None) -> Int32:
-    """Named barrier `barrier_id` (an int, or an Int32 known only at run time) over `threads` threads as
-    cute.arch.barrier (bar.red waits and orders memory as bar.sync), which also returns in every one of them 1 if
-    any thread's `pred` is non-zero, else 0."""
-    operands = [Int32(pred).ir_value(loc=loc, ip=ip)]
-    if isinstance(barrier_id, int):
-        bar, constraints = str(barrier_id), "=r,r,~{memory}"
-    else:
-        operands.append(Int32(barrier_id).ir_value(loc=loc, ip=ip))
-        bar, constraints = "$2", "=r,r,r,~{memory}"
+def barrier_any(pred: Int32, barrier_id: int, threads: int, *, loc=None, ip=None) -> Int32:
+    """Named barrier `barrier_id` over `threads` threads as cute.arch.barrier (bar.red waits and orders memory as
+    bar.sync), which also returns in every one of them 1 if any thread's `pred` is non-zero, else 0."""
     return Int32(llvm.inline_asm(
-        Int32.mlir_type, operands,
+        Int32.mlir_type, [Int32(pred).ir_value(loc=loc, ip=ip)],
         "{\n.reg .pred q, p;\nsetp.ne.b32 q, $1, 0;\n"
-        f"bar.red.or.pred p, {bar}, {threads}, q;\n"
-        "selp.b32 $0, 1, 0, p;\n}\n", constraints,
+        f"bar.red.or.pred p, {barrier_id}, {threads}, q;\n"
+        "selp.b32 $0, 1, 0, p;\n}\n", "=r,r,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
