@@ -16,7 +16,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_V, PE_BYTES, ROPE_ELEMS, ROW_WORDS, TILE_N
 from mlaserve.kernels.cutedsl.keys_on_m import col_slot, finish_columns, store_lse
-from mlaserve.kernels.cutedsl.mla_decode_kernel import grid_request, page_split
+from mlaserve.kernels.cutedsl.request_rows import grid_request, page_split
 
 GROUPS = 4            # scale groups of 128 columns
 M_TILES = D_V // 64   # O^T's 64-dim tiles

@@ -289,11 +289,11 @@ SPEC_EXP = True
 # 16-bit KV, the page's ring (kv_ring picks one by a request's rows):
 # - KV_SPLIT: each page as its rope columns and V's two halves, each freed by the one consumer that reads it last
 #   (the rope after S, a half after its consumer's P V), and S(t) issued before the wait for the other consumer's
-#   P(t-1), its rope and own half first (mla_decode_kernel._seesaw_split): FlashMLA's schedule issues the next tile's
-#   S while the softmax runs and refills each piece of a page once read (bench/NOTES.md 107). Taken where a request
-#   has at least KV_SPLIT_MIN_ROWS query rows. S's k-blocks go in its owner's order, so ticket launches start every
-#   item on ring stage 0 (a pad tile where needed: MLADecodeSm90._pad_tile), which makes tile t of an item consumer
-#   t % 2's whatever the schedule (bench/NOTES.md 111).
+#   P(t-1), its rope and own half first (mla_decode_consumer.SeesawConsumer._seesaw_split): FlashMLA's schedule
+#   issues the next tile's S while the softmax runs and refills each piece of a page once read (bench/NOTES.md 107).
+#   Taken where a request has at least KV_SPLIT_MIN_ROWS query rows. S's k-blocks go in its owner's order, so ticket
+#   launches start every item on ring stage 0 (a pad tile where needed: mla_decode_producer.SeesawProducer._pad_tile),
+#   which makes tile t of an item consumer t % 2's whatever the schedule (bench/NOTES.md 111).
 # - else KV_PARTS column parts (3: 192 columns each), each on a full barrier of its own, S = Q K^T issued part by
 #   part as they land (seesaw_consumers.issue_mma_by_part), as FlashMLA waits on each 64-column piece; 1: one
 #   barrier a page. The same bits as one barrier a page.
@@ -316,7 +316,13 @@ KV_PARTS = 3
 # h64 s_q4; on KV_PARTS's 0.972-0.997x at 1 and 2, 0.943-0.954x at 3 (128 rows), 0.980-0.992x at 1 (64 rows).
 KV_PREFETCH = 2
 KV_PARTS_PREFETCH = 0
-TRACE_FIELDS = 17     # int32 per item and CTA of a trace (mla_decode_kernel.T_* name them)
+# traced persistent launches, per item and CTA (int32; clocks are the SM's): SM, start and end ns, start and end
+# clock (consumer 0); then per consumer w at 5 + 4w: Q ready, first own tile done, own tiles done, epilogue start;
+# then the producer's clock at the item's hand-over, its Q load issued and its first page issued; consumer 0's clock
+# once the row sums are exchanged
+T_SM, T_NS0, T_NS1, T_C0, T_C1, T_Q, T_FIRST, T_LOOP, T_EPI, T_PUB, T_QLOAD, T_PAGE0, T_SUMS = (
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16)
+TRACE_FIELDS = 17     # int32 per item and CTA of a trace (the T_* above name them)
 last_trace: torch.Tensor | None = None
 # persistent launches: a static schedule that gives every cluster the same share of the step's KV tiles, cutting
 # items where a share ends and merging their pieces in the kernel (stream_k.balanced_schedule), instead of whole

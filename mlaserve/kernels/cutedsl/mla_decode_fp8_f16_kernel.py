@@ -74,8 +74,7 @@ from mlaserve.kernels.cutedsl.boxed_pages import (
     store_rows, wait_page)
 from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
     _bf16x2_to_f32, _ld_global_v4_b32, _ldsm_x4, _pow2_scale, _st_shared_words, _v_fragment)
-from mlaserve.kernels.cutedsl.mla_decode_kernel import (
-    first_masked_key, ordered_tensors, visible_keys)
+from mlaserve.kernels.cutedsl.request_rows import first_masked_key, ordered_tensors, visible_keys
 
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
 CHUNK = 2             # K blocks converted a wgmma group (4 k-steps, 16 registers; two such buffers)
@@ -107,7 +106,7 @@ class MLADecodeFP8F16Sm90:
         self.causal = causal
         self.is_split = is_split
         self.n = n
-        self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
+        self.ordered = ordered      # the grid's requests through an order (request_rows.ordered_tensors)
         # Q's global reads issued before the first pages' loads (which they otherwise queue behind), and, unsplit,
         # those pages' block-table entries read beside the request's length (mla_decode.FP8_EARLY_START)
         self.early_start = early_start

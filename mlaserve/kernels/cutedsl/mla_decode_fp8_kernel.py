@@ -78,7 +78,7 @@ from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS
 from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, HALF_SLOTS, LOADER_THREADS, RAW_STAGES, TILE_N, _qk_gemm, fp8_host_setup, fp8_kernel_setup,
     fp8_loader, load_pe, pv_and_release)
-from mlaserve.kernels.cutedsl.mla_decode_kernel import (
+from mlaserve.kernels.cutedsl.request_rows import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 from mlaserve.kernels.cutedsl.split_consumers import (
     CONSUMER_THREADS, finish_rows, one_barrier_p, publish_p, rescale_to_tile_max, scale_rows, split_tiled_mmas,
@@ -114,7 +114,7 @@ class MLADecodeFP8Sm90:
         self.is_split = is_split
         self.store16 = store16    # whole 64-row blocks (O or split partials) stored 16 bytes at a time
         # the grid's request axis runs through an int32 order (work_order.grid_order: longest first), passed in
-        # partial out's place (unsplit) or lse's (split; mla_decode_kernel.ordered_tensors)
+        # partial out's place (unsplit) or lse's (split; request_rows.ordered_tensors)
         self.ordered = ordered
 
     @cute.jit

@@ -50,8 +50,7 @@ from mlaserve.kernels.cutedsl.boxed_pages import (
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, mask_keys, store_lse, take_column_max)
-from mlaserve.kernels.cutedsl.mla_decode_kernel import (
-    first_masked_key, ordered_tensors, visible_keys)
+from mlaserve.kernels.cutedsl.request_rows import first_masked_key, ordered_tensors, visible_keys
 
 N = 16                # query rows a CTA
 NH = 2 * N            # hi and lo parts on wgmma's N
@@ -75,7 +74,7 @@ class MLADecodeFP8MmaSm90:
         self.bt_ahead = bt_ahead
         self.vec_io = vec_io
         self.early_refill = early_refill
-        self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
+        self.ordered = ordered      # the grid's requests through an order (request_rows.ordered_tensors)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,

@@ -61,7 +61,7 @@ from mlaserve.kernels.cutedsl.fp8_pages import (
     D_PE, D_V, RAW_STAGES, TILE_N, _pv_gemm, _qk_gemm, fp8_host_setup, fp8_kernel_setup, fp8_loader, load_pe)
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, store_lse, take_column_max)
-from mlaserve.kernels.cutedsl.mla_decode_kernel import (
+from mlaserve.kernels.cutedsl.request_rows import (
     first_masked_key, grid_request, ordered_tensors, page_split, visible_keys)
 
 THREADS = 256
@@ -98,7 +98,7 @@ class MLADecodeFP8NarrowSm90:
         self.release_every = 1 if self.raw_pe else RELEASE_EVERY
         self.raw_stages = raw_stages(n, self.tiles)
         self.bt_ahead = bt_ahead
-        self.ordered = ordered      # the grid's requests through an order (mla_decode_kernel.ordered_tensors)
+        self.ordered = ordered      # the grid's requests through an order (request_rows.ordered_tensors)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,

@@ -54,7 +54,7 @@ class SparseMLASeesawSm90(SparseMLASm90):
         self.tree_max = tree_max
 
     def _tiled_mmas(self) -> tuple:
-        """The dense seesaw kernel's three MMAs (mla_decode_kernel.seesaw_tiled_mmas)."""
+        """The dense seesaw kernel's three MMAs (seesaw_consumers.seesaw_tiled_mmas)."""
         return seesaw_tiled_mmas(self.dtype)
 
     @cute.kernel
