@@ -107,7 +107,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mlaserve.bench import inputs as bench_inputs  # noqa: E402
 from mlaserve.bench import peers, runners  # noqa: E402
 from mlaserve.bench.switches import set_module_value  # noqa: E402
-from mlaserve.bench.limits import capture_graphs, interleaved_us, ratio_median  # noqa: E402
+from mlaserve.bench.limits import capture_graphs, interleaved_us, ratio_median, ratio_quartiles  # noqa: E402
 from mlaserve.bench.shapes import DenseShape, SparseShape  # noqa: E402
 
 DEFAULT_SHAPES = ("b128 h128 sk4096,b128 h128 sk8192,b128 h128 sk16384,b128 h128 sq2 sk4096,b128 h128 sq2 sk8192,"
@@ -360,8 +360,9 @@ def main() -> int:
             print(f"  flashinfer: {type(e).__name__}: {str(e)[:120]}", flush=True)
         times = interleaved_us(runs, dev, args.rounds, sustain_ms=args.sustain_ms)
         med = {k: statistics.median(v) for k, v in times.items()}
+        q1, q3 = ratio_quartiles(times, "off", "on")
         print(f"{spec:28s} {args.switch} on {med['on']:8.1f} us  off {med['off']:8.1f} us  "
-              f"off/on {ratio_median(times, 'off', 'on'):.3f}x"
+              f"off/on {ratio_median(times, 'off', 'on'):.3f}x [{q1:.3f}, {q3:.3f}]"
               + (f"  flashinfer {med['flashinfer']:8.1f} us  fi/on {ratio_median(times, 'flashinfer', 'on'):.3f}x"
                  if "flashinfer" in runs else "")
               + ("" if same else f"  OUTPUTS DIFFER (max abs {diff:.2e})"), flush=True)

@@ -316,6 +316,17 @@ def test_interleaved_rounds_take_turns_and_compare_per_round():
     assert ratio_median(times, "fast", "fast") == 1.0
 
 
+def test_ratio_quartiles_spread_the_per_round_ratios():
+    """limits.ratio_quartiles: the quartiles of the rounds' ratios (round by round, not of each run's times), with
+    the median between them; one round gives its ratio twice."""
+    from mlaserve.bench.limits import ratio_median, ratio_quartiles
+    times = {"on": [100.0, 200.0, 100.0, 100.0, 50.0], "off": [101.0, 206.0, 98.0, 104.0, 51.0]}
+    q1, q3 = ratio_quartiles(times, "off", "on")
+    assert (q1, q3) == pytest.approx((1.01, 1.03))
+    assert q1 <= ratio_median(times, "off", "on") <= q3
+    assert ratio_quartiles({"a": [3.0], "b": [2.0]}, "a", "b") == (1.5, 1.5)
+
+
 def test_sustained_rounds_time_back_to_back_calls_in_turns():
     """interleaved_us(sustain_ms=...): each turn is several back-to-back calls (limits.time_us), the runs still
     taking turns with the order rotating, one time per run a round."""

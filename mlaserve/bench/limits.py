@@ -104,6 +104,16 @@ def ratio_median(times: dict[str, list[float]], run: str, base: str) -> float:
     return statistics.median(a / b for a, b in zip(times[run], times[base]))
 
 
+def ratio_quartiles(times: dict[str, list[float]], run: str, base: str) -> tuple[float, float]:
+    """The first and third quartiles over rounds of run's time / base's time: the spread of ratio_median's rounds,
+    by which an A/B's effect can be told from its noise (a single round: that round's ratio twice)."""
+    ratios = sorted(a / b for a, b in zip(times[run], times[base]))
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q3
+
+
 def capture_graphs(fns: list[Callable[[], object]]) -> list[Callable[[], object]] | None:
     """Each call captured in its own CUDA graph, as replays; None when a call cannot be captured.
 
