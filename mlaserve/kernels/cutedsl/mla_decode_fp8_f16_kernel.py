@@ -8,8 +8,8 @@ the consumers' registers and multiplied there: no bf16 tile in shared memory, no
         largest |value| a row in [128, 256)), its columns permuted as the fragments' (below); K_pe and
         Q_pe * 2^a (exact in bf16) in bf16 from smem, into the same accumulator.
     O^T [512, N] += V^T_m P^T per 64-dim tile m
-        V^T_m as f16 register A: ldmatrix .trans of the same boxes (_v_fragment's e4m3 fragment), cvt and one
-        multiply by the keys' scales of the tile's group; B = P^T in f16, its keys permuted likewise.
+        V^T_m as f16 register A: ldmatrix .trans of the same boxes (fragment_ops.v_fragment's e4m3 fragment),
+        cvt and one multiply by the keys' scales of the tile's group; B = P^T in f16, its keys permuted likewise.
 
 Against mla_decode_fp8_mma_kernel.py (FP8 wgmma on the bytes): N query rows on N, not 2 N (Q's hi | lo), one
 S^T accumulator, not one per scale group, P once, not four scaled hi / lo parts, and O^T accumulated in
@@ -24,12 +24,11 @@ Q * 2^a in f16 keeps bf16 q exactly down to 2^-22 of the row's largest; P in f16
 
 Fragments (lane = 4 q + c of warp w; the wgmma m64nNk16 f16 A fragment: words (row q, k 2c..2c+1), (row
 q + 8, same), (row q, k 2c + 8..2c + 9), (row q + 8, same)):
-- K: one ldmatrix .x4 (b16) per 32 columns gives the e4m3 A fragment of m64nNk32 (_ldsm_x4's docstring, in
-  mla_decode_fp8_mma_kernel.py: words (key q, columns 4c..4c + 3), (key q + 8, same), then the same 16 columns
-  on). Each word's low and
-  high byte pairs become the k-step's first and third words: logical column 2c + j (j < 2) of a 16-column
+- K: one ldmatrix .x4 (b16) per 32 columns gives the e4m3 A fragment of m64nNk32 (fragment_ops.ldsm_x4's
+  docstring: words (key q, columns 4c..4c + 3), (key q + 8, same), then the same 16 columns on). Each word's low
+  and high byte pairs become the k-step's first and third words: logical column 2c + j (j < 2) of a 16-column
   step is column 4c + j, and 2c + 8 + j is 4c + 2 + j (Q_PERM). Q is stored in that order.
-- V^T: _v_fragment's word (dim row r, keys 2c, 2c + 8, 2c + 1, 2c + 9 of 16) gives the step's first word
+- V^T: fragment_ops.v_fragment's word (dim row r, keys 2c, 2c + 8, 2c + 1, 2c + 9 of 16) gives the step's first word
   (keys 2c, 2c + 8) and its third (2c + 1, 2c + 9): logical key l of a 16-key step is key l with bits 0 and 3
   swapped. P^T is stored in that order; a thread's keys q and q + 8 land side by side, one 4-byte store.
 
@@ -65,6 +64,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
+from mlaserve.kernels.cutedsl.fragment_ops import (
+    bf16x2_to_f32, cvt_pair, e4m3x4_to_f16, ld_global_v4_b32, ld_shared_v4, ldsm_x4, pow2_scale, st_shared_words,
+    v_fragment)
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, take_column_max)
@@ -72,8 +74,6 @@ from mlaserve.kernels.cutedsl.boxed_pages import (
     BAR_MERGE, BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages,
     kernel_start, load_page, merge_stash, one_consumer_end, page_host_setup, stash_consumer, stash_tensors,
     store_rows, wait_page)
-from mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel import (
-    _bf16x2_to_f32, _ld_global_v4_b32, _ldsm_x4, _pow2_scale, _st_shared_words, _v_fragment)
 from mlaserve.kernels.cutedsl.request_rows import first_masked_key, ordered_tensors, visible_keys
 
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
@@ -292,7 +292,7 @@ class MLADecodeFP8F16Sm90:
                     v = sSc[k0 + 8 * hr, g, st]
                     if not keep:
                         v = Float32(0.0)
-                    ks[hr, g] = _cvt_pair(v, v)
+                    ks[hr, g] = cvt_pair(v, v)
             sa = sSc[vb_key, vb_g, st]
             sb = sSc[vb_key + 8, vb_g, st]
             if vb_key >= valid:
@@ -300,7 +300,7 @@ class MLADecodeFP8F16Sm90:
             if vb_key + 8 >= valid:
                 sb = Float32(0.0)
             vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            _st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [_cvt_pair(sa, sb)])
+            st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [cvt_pair(sa, sb)])
             # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
             warpgroup.fence()
             atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
@@ -317,11 +317,11 @@ class MLADecodeFP8F16Sm90:
                 for b in cutlass.range_constexpr(CHUNK):
                     blk = CHUNK * j + b
                     chunk = 2 * (blk % 4) + k_half
-                    w = _ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
+                    w = ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
                     g = blk // 4
                     for st2 in cutlass.range_constexpr(2):
-                        lo0, hi0 = _e4m3x4_to_f16(w[2 * st2], ks[0, g], ks[0, g])
-                        lo1, hi1 = _e4m3x4_to_f16(w[2 * st2 + 1], ks[1, g], ks[1, g])
+                        lo0, hi0 = e4m3x4_to_f16(w[2 * st2], ks[0, g], ks[0, g])
+                        lo1, hi1 = e4m3x4_to_f16(w[2 * st2 + 1], ks[1, g], ks[1, g])
                         kk = 2 * b + st2
                         buf[4 * kk + 0] = lo0
                         buf[4 * kk + 1] = lo1
@@ -346,7 +346,7 @@ class MLADecodeFP8F16Sm90:
             # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
             for s in cutlass.range_constexpr(slots):
                 i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
-                _st_shared_words(p_addr[s], [_cvt_pair(acc_s[i], acc_s[i + 2])])
+                st_shared_words(p_addr[s], [cvt_pair(acc_s[i], acc_s[i + 2])])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
             # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
@@ -363,19 +363,19 @@ class MLADecodeFP8F16Sm90:
                 if const_expr(m % 2 == 0):
                     vs_row = vs_page + ((m // 2) * 4 + lane % 4) * 32
                     for e in cutlass.range_constexpr(2):
-                        wv = _ld_shared_v4(vs_row + 16 * e)
+                        wv = ld_shared_v4(vs_row + 16 * e)
                         for x in cutlass.range_constexpr(4):
                             vsw[4 * e + x] = wv[x]
                 raw = cute.make_rmem_tensor(8, Int32)
-                _v_fragment(raw, stage_base, warp, lane, m)
+                v_fragment(raw, stage_base, warp, lane, m)
                 vbuf = cute.recast_tensor(frag_v[m % 2], Int32)
                 if const_expr(m >= 2):
                     warpgroup.wait_group(1)     # tile m - 2's product (the last reader of this buffer) is done
                 for k in cutlass.range_constexpr(TILE_N // 32):
                     for hf in cutlass.range_constexpr(2):
                         # the e4m3 words of keys 32 k + 16 hf + (2c, 2c + 8, 2c + 1, 2c + 9), rows r and r + 8
-                        lo0, hi0 = _e4m3x4_to_f16(raw[4 * k + 2 * hf], vsw[4 * k + 2 * hf], vsw[4 * k + 2 * hf + 1])
-                        lo1, hi1 = _e4m3x4_to_f16(raw[4 * k + 2 * hf + 1], vsw[4 * k + 2 * hf],
+                        lo0, hi0 = e4m3x4_to_f16(raw[4 * k + 2 * hf], vsw[4 * k + 2 * hf], vsw[4 * k + 2 * hf + 1])
+                        lo1, hi1 = e4m3x4_to_f16(raw[4 * k + 2 * hf + 1], vsw[4 * k + 2 * hf],
                                                   vsw[4 * k + 2 * hf + 1])
                         kk = 2 * k + hf
                         vbuf[4 * kk + 0] = lo0
@@ -487,13 +487,13 @@ def _load_q(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cu
     for j in cutlass.range_constexpr(groups):
         col = 16 * (part + per_row * j)
         for e in cutlass.range_constexpr(2):
-            w = _ld_global_v4_b32(row_addr + (col + 8 * e) * 2)
+            w = ld_global_v4_b32(row_addr + (col + 8 * e) * 2)
             for x in cutlass.range_constexpr(4):
                 words[8 * j + 4 * e + x] = w[x]
     pe = cute.make_rmem_tensor(4, Int32)
     pe.fill(0)
     if part < D_PE // 8:
-        w = _ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
+        w = ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
         for x in cutlass.range_constexpr(4):
             pe[x] = w[x]
     return words, pe
@@ -505,7 +505,7 @@ def _store_q_f16(words: cute.Tensor, pe: cute.Tensor, rows: Int32, tidx: Int32, 
     """Q * 2^a into sQ [n, 512] f16 (128-byte swizzle: 64-column boxes of n rows, n * 128 bytes apart; 16-byte
     chunk j of a row at j ^ (row % 8)), each 16-column group's columns in Q_PERM's order; Q_pe * 2^a into sQpe
     [n, 64] bf16 likewise; 2^-a into sInv; from _load_q's words. a per query row r: its largest |q_nope| in
-    [2^7, 2^8) (_pow2_scale). 256 / n threads a row; thread `part` takes the row's 16-column groups
+    [2^7, 2^8) (pow2_scale). 256 / n threads a row; thread `part` takes the row's 16-column groups
     part + (256 / n) j, and parts < 8 the rope chunk part. Rows past `rows` are zeros."""
     per_row = THREADS // n
     groups = (D_V // 16) // per_row
@@ -516,12 +516,12 @@ def _store_q_f16(words: cute.Tensor, pe: cute.Tensor, rows: Int32, tidx: Int32, 
         pe.fill(0)
     amax = Float32(0.0)
     for e in cutlass.range_constexpr(8 * groups):
-        lo, hi = _bf16x2_to_f32(words[e])
+        lo, hi = bf16x2_to_f32(words[e])
         amax = cute.arch.fmax(amax, cute.arch.fmax(cute.arch.fmax(lo, -lo), cute.arch.fmax(hi, -hi)))
     for off in (1, 2, 4, 8, 16):
         if const_expr(off < per_row):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
-    scale = _pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
+    scale = pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
     for j in cutlass.range_constexpr(groups):
         g16 = part + per_row * j
         # the group's 8 words (column pairs 0..7) scaled into f16x2; logical word L holds pair 2 L (L < 4),
@@ -531,47 +531,16 @@ def _store_q_f16(words: cute.Tensor, pe: cute.Tensor, rows: Int32, tidx: Int32, 
         for half in cutlass.range_constexpr(2):
             chunk = 2 * (g16 % 4) + half
             addr = q_base_s + box * (n * 128) + (r // 8) * 1024 + (r % 8) * 128 + ((chunk ^ (r % 8)) * 16)
-            _st_shared_words(addr, [hw[half], hw[2 + half], hw[4 + half], hw[6 + half]])
+            st_shared_words(addr, [hw[half], hw[2 + half], hw[4 + half], hw[6 + half]])
     if part == 0:
         sInv[r] = 1.0 / scale
     if part < D_PE // 8:
         pw = [_scaled_pair(pe[e], scale, "bf16") for e in range(4)]
-        _st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16, pw)
+        st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16, pw)
 
 def _scaled_pair(w: Int32, scale: Float32, kind: str) -> Int32:
     """A word's two bf16 times `scale` (a power of 2), as an f16 or (exactly) a bf16 pair."""
-    lo, hi = _bf16x2_to_f32(w)
-    return _cvt_pair(lo * scale, hi * scale, kind)
+    lo, hi = bf16x2_to_f32(w)
+    return cvt_pair(lo * scale, hi * scale, kind)
 
 
-@dsl_user_op
-def _ld_shared_v4(addr: Int32, *, loc=None, ip=None) -> list:
-    """The 16 bytes at shared address `addr` as 4 words."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def _e4m3x4_to_f16(w: Int32, s_lo: Int32, s_hi: Int32, *, loc=None, ip=None) -> tuple:
-    """A word's 4 e4m3 bytes -> (f16x2 of bytes 0, 1 times s_lo, f16x2 of bytes 2, 3 times s_hi): cvt is exact,
-    the multiply rounds once."""
-    pair = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 2),
-        [Int32(w).ir_value(loc=loc, ip=ip), Int32(s_lo).ir_value(loc=loc, ip=ip), Int32(s_hi).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b16 a, b;\n.reg .b32 x, y;\nmov.b32 {a, b}, $2;\ncvt.rn.f16x2.e4m3x2 x, a;\n"
-        "cvt.rn.f16x2.e4m3x2 y, b;\nmul.rn.f16x2 $0, x, $3;\nmul.rn.f16x2 $1, y, $4;\n}\n",
-        "=r,=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return (Int32(llvm.extractvalue(Int32.mlir_type, pair, [0], loc=loc, ip=ip)),
-            Int32(llvm.extractvalue(Int32.mlir_type, pair, [1], loc=loc, ip=ip)))
-
-
-@dsl_user_op
-def _cvt_pair(lo: Float32, hi: Float32, kind: str = "f16", *, loc=None, ip=None) -> Int32:
-    """(lo, hi) rounded to an f16 (kind "f16") or bf16 ("bf16") pair, lo in bits 0..15."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}x2.f32 $0, $2, $1;", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

@@ -47,6 +47,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from mlaserve.kernels.cutedsl.boxed_pages import (
     BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start,
     load_page, one_consumer_end, page_host_setup, stash_tensors, store_rows, v_dim, wait_page)
+from mlaserve.kernels.cutedsl.fragment_ops import (
+    bf16x2_to_f32, ld_global_v4_b32, pow2_scale, prmt, st_shared_words, v_fragment)
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, mask_keys, store_lse, take_column_max)
@@ -57,7 +59,6 @@ NH = 2 * N            # hi and lo parts on wgmma's N
 BAR_Q = 1             # both consumers: Q's parts stored
 # boxed_pages.BAR_RED + 2 c: consumer c's 4 warps: column and scale maxima (then sums); a page's stage read
 BAR_P = 4             # + 2 c: consumer c's P^T complete (also: a last page's rows past the request zeroed)
-Q_RANGE_EXP = 7       # q * 2^a has its largest |value| in [2^7, 2^8)
 P_RANGE = 256.0
 RED_SLOTS = N + GROUPS  # per warp and parity: the column maxima, then the scale groups' maxima
 
@@ -300,7 +301,7 @@ class MLADecodeFP8MmaSm90:
             for m in cutlass.range_constexpr(M_TILES + 1):
                 if const_expr(m < M_TILES):
                     buf = frag_v[m % 2]
-                    _v_fragment(cute.recast_tensor(buf, Int32), stage_base, warp, lane, m)
+                    v_fragment(cute.recast_tensor(buf, Int32), stage_base, warp, lane, m)
                     warpgroup.fence()
                     for k in cutlass.range_constexpr(TILE_N // 32):
                         atom_pv.set(warpgroup.Field.ACCUMULATE, k > 0)
@@ -387,7 +388,7 @@ def _store_q_parts(mQ: cute.Tensor, batch: Int32, rows: Int32, tidx: Int32, q8: 
         amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
     for off in (1, 2, 4, 8):
         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
-    scale = _pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
+    scale = pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
     for j in cutlass.range_constexpr(0, D_V // 16, 2):
         x0 = vals[j] * scale
         x1 = vals[j + 1] * scale
@@ -408,25 +409,6 @@ def _store_q_parts(mQ: cute.Tensor, batch: Int32, rows: Int32, tidx: Int32, q8: 
 
 
 @cute.jit
-def _v_fragment(frag: cute.Tensor, stage_base: Int32, warp: Int32, lane: Int32, m_tile: cutlass.Constexpr[int]):
-    """V^T's M tile m_tile (dims 64 m_tile .. + 63, this warp's 16 in v_dim order) over the page's 64 keys as the
-    FP8 register A fragment of m64nNk32 (2 k-steps, 4 words each) into `frag` (Int32 view). Per k-step one
-    ldmatrix .x4 .trans of the group box (matrix i: keys 8 i .. 8 i + 7 of the step's 32; lane l's row = key
-    32 k + l, its 16-byte chunk XORed with key % 8 as the 128-byte swizzle puts it) and one prmt a register:
-    bytes 0, 2 (1, 3) of the words of keys 0..7 and 8..15, interleaved, make row r (r + 8) over K columns
-    4c .. 4c + 3 (keys 2c, 2c + 8, 2c + 1, 2c + 9)."""
-    g = m_tile // 2
-    chunk = 4 * (m_tile % 2) + warp
-    for k in cutlass.range_constexpr(TILE_N // 32):
-        key = 32 * k + lane
-        w = _ldsm_x4(stage_base + g * (TILE_N * 128) + key * 128 + ((chunk ^ (key % 8)) * 16), trans=True)
-        frag[4 * k + 0] = _prmt(w[0], w[1], 0x6240)
-        frag[4 * k + 1] = _prmt(w[0], w[1], 0x7351)
-        frag[4 * k + 2] = _prmt(w[2], w[3], 0x6240)
-        frag[4 * k + 3] = _prmt(w[2], w[3], 0x7351)
-
-
-@cute.jit
 def _store_q_parts_16b(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, q8_base: Int32,
                        qpe_base: Int32, sInv: cute.Tensor):
     """_store_q_parts in 16-byte pieces: the 16 threads of row r take its 16-byte chunks k = part + 16 j, j < 4
@@ -442,13 +424,13 @@ def _store_q_parts_16b(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: I
     row_addr = q_base + cutlass.Int64(batch * rows + rr) * (D_QK * 2)
     words = cute.make_rmem_tensor(16, Int32)
     for j in cutlass.range_constexpr(4):
-        w = _ld_global_v4_b32(row_addr + (part + 16 * j) * 16)
+        w = ld_global_v4_b32(row_addr + (part + 16 * j) * 16)
         for e in cutlass.range_constexpr(4):
             words[4 * j + e] = w[e]
     pe = cute.make_rmem_tensor(4, Int32)
     pe.fill(0)
     if part < D_PE // 8:
-        w = _ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
+        w = ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
         for e in cutlass.range_constexpr(4):
             pe[e] = w[e]
     if r >= rows:
@@ -457,49 +439,30 @@ def _store_q_parts_16b(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: I
     vals = cute.make_rmem_tensor(32, Float32)
     amax = Float32(0.0)
     for e in cutlass.range_constexpr(16):
-        lo, hi = _bf16x2_to_f32(words[e])
+        lo, hi = bf16x2_to_f32(words[e])
         vals[2 * e] = lo
         vals[2 * e + 1] = hi
         amax = cute.arch.fmax(amax, cute.arch.fmax(cute.arch.fmax(lo, -lo), cute.arch.fmax(hi, -hi)))
     for off in (1, 2, 4, 8):
         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
-    scale = _pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
+    scale = pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
     for j in cutlass.range_constexpr(4):
         hl = [_e4m3_parts(vals[8 * j + 2 * e] * scale, vals[8 * j + 2 * e + 1] * scale) for e in range(4)]
         chunk = ((part // 2) ^ (r % 8)) * 16 + 8 * (part % 2) + 4096 * j
         hi_addr = q8_base + (r // 8) * 1024 + (r % 8) * 128 + chunk
         lo_addr = q8_base + ((N + r) // 8) * 1024 + (r % 8) * 128 + chunk    # row N + r: (N + r) % 8 is r % 8
-        _st_shared_words(hi_addr, [_prmt(hl[0], hl[1], 0x5410), _prmt(hl[2], hl[3], 0x5410)])
-        _st_shared_words(lo_addr, [_prmt(hl[0], hl[1], 0x7632), _prmt(hl[2], hl[3], 0x7632)])
+        st_shared_words(hi_addr, [prmt(hl[0], hl[1], 0x5410), prmt(hl[2], hl[3], 0x5410)])
+        st_shared_words(lo_addr, [prmt(hl[0], hl[1], 0x7632), prmt(hl[2], hl[3], 0x7632)])
     if part == 0:
         sInv[r] = 1.0 / scale
     if part < D_PE // 8:
-        _st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16,
+        st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16,
                           [pe[0], pe[1], pe[2], pe[3]])
 
 
 def _u8_view(t: cute.Tensor, swizzle) -> cute.Tensor:
     """An e4m3 smem tensor as bytes, its swizzle kept (recast_tensor drops it from the pointer)."""
     return cute.make_tensor(cute.recast_ptr(t.iterator, swizzle_=swizzle, dtype=cutlass.Uint8), t.layout)
-
-
-@dsl_user_op
-def _ldsm_x4(addr: Int32, trans: bool = False, *, loc=None, ip=None) -> list:
-    """ldmatrix .x4 (b16; .trans where `trans`) from this lane's row address: lane l gets, of matrix i (rows from
-    lanes 8 i .. 8 i + 7), word i: not transposed, row l // 4's 4 bytes 4 (l % 4) .. + 3."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
-        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def _prmt(a: Int32, b: Int32, sel: int, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-        f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op
@@ -519,51 +482,6 @@ def _st_shared_u16(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
     """v's bits 0..15 to shared memory at addr."""
     llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
                     "{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.shared.b16 [$0], t;\n}\n", "r,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _pow2_scale(amax: Float32, *, loc=None, ip=None) -> Float32:
-    """2^a with amax * 2^a in [2^7, 2^8) (exponent arithmetic on the bits), 1.0 for amax 0 (or subnormal)."""
-    return Float32(llvm.inline_asm(
-        Float32.mlir_type, [Float32(amax).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 b, e;\n.reg .pred z;\nmov.b32 b, $1;\nshr.u32 e, b, 23;\nand.b32 e, e, 255;\n"
-        "setp.eq.u32 z, e, 0;\n"
-        f"sub.s32 e, {127 + Q_RANGE_EXP + 127}, e;\n"   # biased exponent of 2^(7 - (e - 127))
-        "min.s32 e, e, 254;\nmax.s32 e, e, 1;\nshl.b32 e, e, 23;\nselp.b32 e, 0x3F800000, e, z;\n"
-        "mov.b32 $0, e;\n}\n", "=f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _ld_global_v4_b32(addr: cutlass.Int64, *, loc=None, ip=None) -> list:
-    """The 16 bytes at global address `addr` (16-byte aligned) as 4 words, through the read-only path."""
-    quad = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 4), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(Int32.mlir_type, quad, [e], loc=loc, ip=ip)) for e in range(4)]
-
-
-@dsl_user_op
-def _bf16x2_to_f32(w: Int32, *, loc=None, ip=None) -> tuple:
-    """A word's two bf16 (bits 0..15, 16..31) as fp32."""
-    pair = llvm.inline_asm(
-        llvm.StructType.get_literal([Float32.mlir_type] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}\n",
-        "=f,=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return (Float32(llvm.extractvalue(Float32.mlir_type, pair, [0], loc=loc, ip=ip)),
-            Float32(llvm.extractvalue(Float32.mlir_type, pair, [1], loc=loc, ip=ip)))
-
-
-@dsl_user_op
-def _st_shared_words(addr: Int32, words: list, *, loc=None, ip=None) -> None:
-    """1, 2 or 4 words as one 4-, 8- or 16-byte shared-memory store at `addr`."""
-    n = len(words)
-    regs = ", ".join(f"${i + 1}" for i in range(n))
-    op = "st.shared.b32 [$0], $1;" if n == 1 else f"st.shared.v{n}.b32 [$0], {{{regs}}};"
-    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), *(Int32(w).ir_value(loc=loc, ip=ip) for w in words)],
-                    op, ",".join("r" * (n + 1)),
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
