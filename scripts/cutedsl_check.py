@@ -183,6 +183,17 @@ def fp8_exact_reference(q, packed, table, seqlens, causal=True):
                                 seqlens, SCALE, causal=causal)
 
 
+def fp8_f16_reference(q, packed, table, seqlens, causal=True):
+    """The reference on the f16-register kernel's reading of the entries (mla_decode_fp8_f16_kernel.py): e4m3 *
+    scale rounded once to f16 (the scale itself is exact in f16 from 2^-14 up), k_pe as stored, in float64. With
+    logits 4x as wide as the check cases' the exact entries' reference misses it by an lse of ~3e-3
+    (bench/NOTES.md 142)."""
+    from mlaserve.kernels import fp8_format
+    values = fp8_format.dequantize(packed, torch.float32, exact=True)
+    values[..., :512] = values[..., :512].to(torch.float16).float()
+    return reference.mla_decode(q.double(), values.double(), table, seqlens, SCALE, causal=causal)
+
+
 def compare_fp8(out, lse, q, packed, table, seqlens, causal=True) -> tuple[bool, float, str]:
     """compare() against the reference on either reading of the FP8 entries: the dequantizing kernels round each
     to bf16 first, the FP8-MMA kernel (mla_decode.uses_fp8_mma) applies the scales in fp32 (fp8_format)."""

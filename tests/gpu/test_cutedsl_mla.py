@@ -639,29 +639,38 @@ def test_traced_stream_k_launch_records_every_piece(monkeypatch):
     assert ((written[:, 2] - written[:, 1]) % (1 << 32) > 0).all()
 
 
-@pytest.mark.parametrize("lens, s_q, h, causal, num_splits", [
-    ([1, 63, 64, 4096], 1, 16, True, None),
-    ([1, 63, 64, 4096], 1, 32, True, None),
-    ([2, 65, 1000, 129], 2, 16, True, None),       # 32 rows, causal among the new tokens
-    ([777], 3, 5, True, None),                     # 15 rows, odd heads
-    ([777, 3], 1, 20, True, None),                 # 20 rows padded to 32
-    ([5, 300, 64, 1], 1, 32, False, None),
-    ([3000, 17, 64, 2000], 1, 32, True, 4),        # split-KV partials
-    ([0, 1, 2], 2, 8, True, 3),                    # an empty request, splits past the end
-    (_LONG, 1, 32, True, None),
-    ([8192] * 8, 1, 16, True, 1),                  # 128 pages a CTA: every stage reused many times
+@pytest.mark.parametrize("lens, s_q, h, causal, num_splits, q_gain", [
+    ([1, 63, 64, 4096], 1, 16, True, None, 1.0),
+    ([1, 63, 64, 4096], 1, 32, True, None, 1.0),
+    ([2, 65, 1000, 129], 2, 16, True, None, 1.0),       # 32 rows, causal among the new tokens
+    ([777], 3, 5, True, None, 1.0),                     # 15 rows, odd heads
+    ([777, 3], 1, 20, True, None, 1.0),                 # 20 rows padded to 32
+    ([5, 300, 64, 1], 1, 32, False, None, 1.0),
+    ([3000, 17, 64, 2000], 1, 32, True, 4, 1.0),        # split-KV partials
+    ([0, 1, 2], 2, 8, True, 3, 1.0),                    # an empty request, splits past the end
+    (_LONG, 1, 32, True, None, 1.0),
+    ([8192] * 8, 1, 16, True, 1, 1.0),                  # 128 pages a CTA: every stage reused many times
+    ([5, 300, 64, 1, 2000], 1, 32, True, 1, 4.0),       # logits 4x as wide: maxima move by more past the first page
+    ([3000, 17, 64, 2000], 1, 32, True, 4, 4.0),
+    ([2, 65, 1000, 129], 2, 16, True, None, 4.0),
 ], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
-def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num_splits):
+def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num_splits, q_gain):
     """mla_decode.FP8_F16: the <= 32-row kernel that multiplies the pages' e4m3 bytes as f16 in registers, on
-    NaN-poisoned unused slots (0xFF scales and bytes), against the reference on the cache's exact entries, and
-    within rounding of the kernels it replaces."""
+    NaN-poisoned unused slots (0xFF scales and bytes), against the reference on its reading of the entries (e4m3 *
+    scale rounded to f16); at the check cases' logits also against the cache's exact entries and within rounding
+    of the kernels it replaces (their bf16 reading), which wider logits take further apart."""
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 5 * h)
+    q = q * q_gain
     monkeypatch.setattr(cd, "FP8_F16", True)
     monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:   # however short the splits
                         cd.FP8_F16 and kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_f16_reference(q, kv, table, seqlens, causal))
+    assert ok, f"against the f16 reading: max abs err {max_err:.2e}: {why}"
+    if q_gain != 1.0:
+        return      # the exact entries' reference misses the f16 reading by ~3e-3 in lse, the bf16 one's by ~4e-2
     ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
-    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert ok, f"against the exact entries: max abs err {max_err:.2e}: {why}"
     # the same within rounding as the kernels it would replace
     monkeypatch.setattr(cd, "FP8_F16", False)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
