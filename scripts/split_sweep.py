@@ -9,6 +9,7 @@ before each replay, median).
     python scripts/split_sweep.py --backend triton --configs --shapes "b4 h16,b1 h16"
     python scripts/split_sweep.py --backend triton --shapes "b128 h64 sk4096 var"
     python scripts/split_sweep.py --backend triton --shapes "b1 h16" --counts 33,44,66   # these counts only
+    python scripts/split_sweep.py --backend cutedsl --fp8 --fp8-f16-any-split --shapes "b128 h16 sk4096" --counts 1,2,3
 
 Shapes: "bB hH [skS] [var]" (s_q 1, page 64, s_k 32768 and fixed lengths unless given); by default b 1/4/16 x
 h 128/64/16. Small batches try the counts that put 0.5 .. 3 waves of programs on the SMs, those that fill
@@ -114,7 +115,14 @@ def main() -> int:
     ap.add_argument("--configs", action="store_true", help="triton: also the tl configs worth trying at <= 16 rows")
     ap.add_argument("--counts", default="", help="comma list of split counts to time instead of the default ones "
                                                  "(the planner's is always timed)")
+    ap.add_argument("--fp8-f16-any-split", action="store_true",
+                    help="cutedsl FP8 at <= 32 rows: the f16-register kernel however few pages a split has "
+                         "(mla_decode.uses_fp8_f16 otherwise takes it from CONFIG.fp8_mma_min_pages a split)")
     args = ap.parse_args()
+    if args.fp8_f16_any_split:
+        cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+        cd.uses_fp8_f16 = lambda kv_fp8, rows, max_pages, num_splits: (cd.FP8_F16 and kv_fp8
+                                                                       and cd.fp8_narrow_cols(rows) > 0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     sweep(args.backend, args.fp8, args.shapes, args.configs, [int(c) for c in args.counts.split(",") if c])
     return 0
