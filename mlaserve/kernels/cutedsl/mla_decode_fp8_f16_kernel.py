@@ -64,10 +64,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fragment_ops import (
     bf16x2_to_f32, cvt_pair, e4m3x4_to_f16, ld_global_v4_b32, ld_shared_v4, ldsm_x4, pow2_scale, st_shared_words,
     v_fragment)
-from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, take_column_max)
 from mlaserve.kernels.cutedsl.boxed_pages import (

@@ -47,9 +47,9 @@ from cutlass.cutlass_dsl import dsl_user_op
 from mlaserve.kernels.cutedsl.boxed_pages import (
     BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start,
     load_page, one_consumer_end, page_host_setup, stash_tensors, store_rows, v_dim, wait_page)
+from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fragment_ops import (
     bf16x2_to_f32, ld_global_v4_b32, pow2_scale, prmt, st_shared_words, v_fragment)
-from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, mask_keys, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.request_rows import first_masked_key, ordered_tensors, visible_keys
