@@ -3,6 +3,7 @@ per shape over a few eager calls, each after an L2 flush.
 
     PYTHONPATH=. python3 scripts/fp8_f16_trace.py [--shapes "b128 h16 sk4096,b128 h32 sk4096"] [--reps 5]
         [--set FP8_SPLIT_EPILOGUE=0 ...]       (mla_decode module flags, set before anything compiles)
+        [--by-sm]                              (each SM's CTA time, and whether it repeats from call to call)
 
 Per shape (FP8 KV, s_q 1, every request the same length, unsplit): the SM clock (a CTA's clocks over its
 nanoseconds), how late the CTAs start after the first (median / max), and the medians and maxima over CTAs of
@@ -95,11 +96,34 @@ def summarize_pages(traces: list[torch.Tensor], ghz: float) -> dict:
     return {name: statistics.median(v) for name, v in rows.items()}
 
 
+def by_sm(traces: list[torch.Tensor]) -> tuple[dict[int, float], float]:
+    """Each SM's CTA time (start -> consumer 0's end, us; median over the calls that put a CTA on it), and the
+    median over pairs of consecutive calls of the rank correlation of their per-SM times: near 1 where an SM's
+    place makes its CTA slow or fast, near 0 where the spread is the call's own."""
+    per_call = []
+    for tr in traces:
+        t = tr.long()
+        ns = (t[:, kmod.T_NS1] - t[:, kmod.T_NS0]) % 2 ** 32
+        per_call.append({int(sm): float(d) / 1e3 for sm, d in zip(t[:, kmod.T_SM], ns)})
+    sms = sorted(set.intersection(*(set(c) for c in per_call)))
+    times = {sm: statistics.median(c[sm] for c in per_call) for sm in sms}
+
+    def ranks(v: list[float]) -> torch.Tensor:
+        return torch.tensor(v).argsort().argsort().double()
+    corr = []
+    for a, b in zip(per_call, per_call[1:]):
+        ra, rb = ranks([a[sm] for sm in sms]), ranks([b[sm] for sm in sms])
+        corr.append(float(torch.corrcoef(torch.stack([ra, rb]))[0, 1]))
+    return times, statistics.median(corr) if corr else float("nan")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="b128 h16 sk4096,b128 h32 sk4096,b128 h16 sk8192,b128 h32 sk8192")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--set", action="append", default=[], metavar="FLAG=0|1", help="an mla_decode module flag")
+    p.add_argument("--by-sm", action="store_true",
+                   help="also each SM's CTA time and how well it repeats from call to call (rank correlation)")
     args = p.parse_args()
     for item in args.set:
         name, _, value = item.partition("=")
@@ -137,6 +161,12 @@ def main() -> int:
             print(f"{text}: the trace counts {pages} pages a CTA, expected {math.ceil(s_k / 64)}", flush=True)
             return 1
         results[text] = summarize(traces[1:])      # the first traced call compiled the traced kernel
+        if args.by_sm:
+            times, corr = by_sm(traces[1:])
+            print(f"{text}: CTA time by SM (us, median over calls), rank correlation between calls {corr:.2f}",
+                  flush=True)
+            for i in range(0, len(times), 12):
+                print("  " + " ".join(f"{sm:3d}:{times[sm]:6.1f}" for sm in list(times)[i:i + 12]), flush=True)
         page_results[text] = summarize_pages(traces[1:], results[text]["SM clock GHz"][0])
     names = list(next(iter(results.values()))) if results else []
     print(f"\n{'median / max over CTAs (us)':40s}" + "".join(f"{k:>22s}" for k in results))
