@@ -183,6 +183,13 @@ def fp8_exact_reference(q, packed, table, seqlens, causal=True):
                                 seqlens, SCALE, causal=causal)
 
 
+def fp8_f16_any_split(cd):
+    """A stand-in for mla_decode.uses_fp8_f16 (cd: that module) without its bound on a split's pages: the
+    f16-register kernel for every FP8 step of <= 32 rows, however short its splits, so that a test reaches it on
+    small cases."""
+    return lambda kv_fp8, rows, max_pages, num_splits: cd.FP8_F16 and kv_fp8 and cd.fp8_narrow_cols(rows) > 0
+
+
 def fp8_f16_reference(q, packed, table, seqlens, causal=True):
     """The reference on the f16-register kernel's reading of the entries (mla_decode_fp8_f16_kernel.py): e4m3 *
     scale rounded once to f16 (the scale itself is exact in f16 from 2^-14 up), k_pe as stored, in float64. With

@@ -662,8 +662,7 @@ def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 5 * h)
     q = q * q_gain
     monkeypatch.setattr(cd, "FP8_F16", True)
-    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:   # however short the splits
-                        cd.FP8_F16 and kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
+    monkeypatch.setattr(cd, "uses_fp8_f16", check.fp8_f16_any_split(cd))
     out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     ok, max_err, why = check.compare(out, lse, *check.fp8_f16_reference(q, kv, table, seqlens, causal))
     assert ok, f"against the f16 reading: max abs err {max_err:.2e}: {why}"
@@ -694,8 +693,7 @@ def test_fp8_f16_switches_give_the_same_bits(monkeypatch, switch, lens, s_q, h, 
     odd page counts leave consumer 1 one page fewer). On NaN-poisoned unused slots, against the reference on the
     cache's exact entries, and the same bits as off."""
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 7 * h)
-    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:   # however short the splits
-                        cd.FP8_F16 and kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
+    monkeypatch.setattr(cd, "uses_fp8_f16", check.fp8_f16_any_split(cd))
     monkeypatch.setattr(cd, switch, False)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=num_splits)
     monkeypatch.setattr(cd, switch, True)
@@ -709,7 +707,7 @@ def test_fp8_f16_switches_give_the_same_bits(monkeypatch, switch, lens, s_q, h, 
 def test_fp8_f16_cuda_graph_replay_equals_eager(monkeypatch, h):
     """A captured step of the f16-register kernel, taken for every split, replays to eager's bits and meets the
     reference."""
-    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits: kv_fp8)
+    monkeypatch.setattr(cd, "uses_fp8_f16", check.fp8_f16_any_split(cd))
     b = 4
     lens = [1 + (977 * i) % 3000 for i in range(b)]
     q, kv, table, seqlens = check.make_fp8_case(lens, 1, h, seed=b + h)
@@ -725,8 +723,7 @@ def test_fp8_f16_trace_leaves_the_outputs_and_orders_the_phases(monkeypatch, h):
     consumer 0's first page, each consumer's first page <= its loop's end <= its end, start ns <= end ns; each page's
     arrival (pages 0 and 1: the consumers' first pages') <= its end, after its consumer's previous page's end."""
     kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
-    monkeypatch.setattr(cd, "uses_fp8_f16", lambda kv_fp8, rows, max_pages, num_splits:
-                        kv_fp8 and cd.fp8_narrow_cols(rows) > 0)
+    monkeypatch.setattr(cd, "uses_fp8_f16", check.fp8_f16_any_split(cd))
     lens = [300, 4096, 129, 65, 1000]      # every request with pages for both consumers
     q, kv, table, seqlens = check.make_fp8_case(lens, 1, h, seed=h)
     out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, num_splits=1)

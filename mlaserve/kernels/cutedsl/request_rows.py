@@ -45,8 +45,6 @@ def grid_request(bz: Int32, mLse: cute.Tensor, mPO: cute.Tensor, ordered: bool, 
     return mLse[bz] if is_split else mPO[bz]
 
 
-
-
 def first_masked_key(seqlen: Int32, s_q: Int32, causal: bool) -> Int32:
     """The smallest number of keys any row sees (tiles that end before it need no mask)."""
     return cutlass.max(seqlen - s_q + 1, 0) if causal else seqlen
