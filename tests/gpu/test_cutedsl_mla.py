@@ -676,6 +676,36 @@ def test_fp8_f16_kernel_matches_reference(monkeypatch, lens, s_q, h, causal, num
     torch.testing.assert_close(out.float(), out0.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("lens, s_q, h, causal, num_splits, q_gain", [
+    ([1, 63, 64, 4096], 1, 16, True, None, 1.0),
+    ([777], 3, 5, True, None, 1.0),                     # 15 rows, odd heads
+    ([3000, 17, 64, 2000], 1, 16, True, 4, 1.0),        # split-KV partials
+    ([0, 1, 2], 2, 8, True, 3, 1.0),                    # an empty request, splits past the end
+    ([8192] * 8, 1, 16, True, 1, 1.0),                  # 128 pages a CTA
+    ([5, 300, 64, 1, 2000], 1, 16, True, 1, 4.0),       # logits 4x as wide
+    ([5, 300, 64, 1, 2000], 1, 16, False, None, 4.0),
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
+def test_fp8_f16_group_s_matches_the_exact_entries(monkeypatch, lens, s_q, h, causal, num_splits, q_gain):
+    """mla_decode.FP8_F16_GROUP_S: the 16-row f16-register kernel's S^T from the exact e4m3 values, one accumulator
+    per scale group scaled in fp32. K is then read exactly and only V through f16 (e4m3 * scale rounded once), whose
+    error the logits do not widen: on NaN-poisoned unused slots, against the reference on the cache's exact entries
+    at the wide logits too (where the f16 reading of K misses them by ~3e-3 in lse, item 144)."""
+    q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 13 * h)
+    q = q * q_gain
+    monkeypatch.setattr(cd, "uses_fp8_f16", check.fp8_f16_any_split(cd))
+    monkeypatch.setattr(cd, "FP8_F16_GROUP_S", True)
+    out, lse = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    ok, max_err, why = check.compare(out, lse, *check.fp8_exact_reference(q, kv, table, seqlens, causal))
+    assert ok, f"against the exact entries: max abs err {max_err:.2e}: {why}"
+    monkeypatch.setattr(cd, "FP8_F16_GROUP_S", False)
+    out0, lse0 = cd.mla_decode(q, kv, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    ref_lse = check.fp8_exact_reference(q, kv, table, seqlens, causal)[1]
+    seen = ref_lse.isfinite()
+    err = (lse - ref_lse)[seen].abs().max().item() if seen.any() else 0.0
+    err0 = (lse0 - ref_lse)[seen].abs().max().item() if seen.any() else 0.0
+    assert err <= err0 + 1e-4, f"lse off the exact entries by {err:.2e} grouped, {err0:.2e} not"
+
+
 @pytest.mark.parametrize("switch", ["FP8_EARLY_START", "FP8_SPLIT_EPILOGUE"])
 @pytest.mark.parametrize("lens, s_q, h, num_splits", [
     ([1, 63, 64, 4096], 1, 16, 1),          # unsplit: the first pages' block-table entries read early

@@ -117,6 +117,17 @@ def e4m3x4_to_f16(w: Int32, s_lo: Int32, s_hi: Int32, *, loc=None, ip=None) -> t
 
 
 @dsl_user_op
+def e4m3x4_to_f16_exact(w: Int32, *, loc=None, ip=None) -> tuple:
+    """A word's 4 e4m3 bytes -> (f16x2 of bytes 0, 1, f16x2 of bytes 2, 3), exact (no scale)."""
+    pair = llvm.inline_asm(
+        llvm.StructType.get_literal([Int32.mlir_type] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 a, b;\nmov.b32 {a, b}, $2;\ncvt.rn.f16x2.e4m3x2 $0, a;\ncvt.rn.f16x2.e4m3x2 $1, b;\n}\n",
+        "=r,=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return (Int32(llvm.extractvalue(Int32.mlir_type, pair, [0], loc=loc, ip=ip)),
+            Int32(llvm.extractvalue(Int32.mlir_type, pair, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
 def pow2_scale(amax: Float32, *, loc=None, ip=None) -> Float32:
     """2^a with amax * 2^a in [2^7, 2^8) (exponent arithmetic on the bits), 1.0 for amax 0 (or subnormal)."""
     return Float32(llvm.inline_asm(

@@ -252,6 +252,14 @@ FP8_EARLY_START = True
 # writes its merge's fma out: boxed_pages.merge_stash). On an H100 (bench/NOTES.md 136; decode_ab, --sustain-ms 20,
 # off/on): b128 h16 4k / 8k 1.003 / 1.003x, h32 4k / 8k 1.003 / 1.006x, b16 h32 32k (split) 1.001x (False: for A/B)
 FP8_SPLIT_EPILOGUE = True
+# The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
+# group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of
+# every K value times its scale in f16 (128 HMUL2; K read as e4m3 * scale rounded to f16). At 32 rows the four
+# accumulators do not fit the registers. Not the same bits: K's values are read exactly (lse within ~1e-6 of the exact
+# entries' where the f16 reading of K missed them by ~3e-3 at 4x wider logits, bench/NOTES.md 144). As fast, on an H100
+# (bench/NOTES.md 150; decode_ab, --sustain-ms 20): b128 h16 4k / 8k / 32k 1.001 / 1.001 / 1.002x, b16 h16 32k
+# (split) 1.003x, b128 h8 s_q2 4k 1.002x (False: for A/B runs)
+FP8_F16_GROUP_S = True
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -420,6 +428,11 @@ def uses_fp8_f16(kv_fp8: bool, rows: int, max_pages: int, num_splits: int) -> bo
             and max_pages >= CONFIG.fp8_mma_min_pages * num_splits)
 
 
+def f16_group_s(narrow: int) -> bool:
+    """Whether the f16-register FP8 kernel of `narrow` columns takes its S^T by scale group (FP8_F16_GROUP_S)."""
+    return FP8_F16_GROUP_S and narrow == 16
+
+
 def kv_ring(rows: int) -> tuple[int, bool, int]:
     """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring, pages
     prefetched ahead into L2)."""
@@ -469,7 +482,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             raise ValueError(f"the FP8 f16 kernel takes FP8 KV at 16 or 32 rows, got kv_fp8={kv_fp8}, "
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
         key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
-            ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ())
+            ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ()) + (("group-s",) if f16_group_s(narrow) else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -493,7 +506,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_f16_kernel")
             fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
                                                        early_start=FP8_EARLY_START,
-                                                       split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace),
+                                                       split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace,
+                                                       group_s=f16_group_s(narrow)),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

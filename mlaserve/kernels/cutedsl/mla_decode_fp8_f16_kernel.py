@@ -7,6 +7,9 @@ the consumers' registers and multiplied there: no bf16 tile in shared memory, no
         f16x2 and one f16x2 multiply by the row's scale of its 128-column group; B = Q * 2^a in f16 (its
         largest |value| a row in [128, 256)), its columns permuted as the fragments' (below); K_pe and
         Q_pe * 2^a (exact in bf16) in bf16 from smem, into the same accumulator.
+        At 16 rows (group_s, mla_decode.FP8_F16_GROUP_S, the default there): K's exact e4m3 values (cvt only) into
+        one accumulator per scale group, S^T = the k_pe product + sum_g S^T_g * scale_g[key] in fp32 (32 FFMA a
+        page and thread against 128 HMUL2): K read exactly, as fast (bench/NOTES.md 150).
     O^T [512, N] += V^T_m P^T per 64-dim tile m
         V^T_m as f16 register A: ldmatrix .trans of the same boxes (fragment_ops.v_fragment's e4m3 fragment),
         cvt and one multiply by the keys' scales of the tile's group; B = P^T in f16, its keys permuted likewise.
@@ -18,8 +21,9 @@ for K and again for V^T, independent of N, which is what makes 32 rows cost litt
 Against mla_decode_fp8_narrow_kernel.py (a loader warpgroup dequantizes into a bf16 tile): no tile stores
 and reads through shared memory (~150 KB a page against ~300) and two consumers on alternate pages.
 
-Values: e4m3 -> f16 is exact; e4m3 * scale is rounded once to f16 (11 significant bits, so within half an f16
-ulp of the format's value; products below 2^-24, a scale under ~2^-15 on the smallest e4m3, flush to zero);
+Values: e4m3 -> f16 is exact; e4m3 * scale (V, and K unless group_s) is rounded once to f16 (11 significant
+bits, so within half an f16 ulp of the format's value; products below 2^-24, a scale under ~2^-15 on the smallest
+e4m3, flush to zero);
 Q * 2^a in f16 keeps bf16 q exactly down to 2^-22 of the row's largest; P in f16.
 
 Fragments (lane = 4 q + c of warp w; the wgmma m64nNk16 f16 A fragment: words (row q, k 2c..2c+1), (row
@@ -66,8 +70,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fragment_ops import (
-    bf16x2_to_f32, cvt_pair, e4m3x4_to_f16, ld_global_v4_b32, ld_shared_v4, ldsm_x4, pow2_scale, st_shared_words,
-    v_fragment)
+    bf16x2_to_f32, cvt_pair, e4m3x4_to_f16, e4m3x4_to_f16_exact, ld_global_v4_b32, ld_shared_v4, ldsm_x4, pow2_scale,
+    st_shared_words, v_fragment)
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, take_column_max)
 from mlaserve.kernels.cutedsl.boxed_pages import (
@@ -97,7 +101,7 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, trace: bool = False):
+                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -115,6 +119,9 @@ class MLADecodeFP8F16Sm90:
         self.split_epilogue = split_epilogue
         # a diagnostic: each CTA's phase clocks in po's place (TRACE_FIELDS)
         self.trace = trace
+        # S^T from the exact e4m3 values into one accumulator per scale group, the groups' scales applied to the
+        # accumulators in fp32 (mla_decode.FP8_F16_GROUP_S), instead of each K value times its scale in f16
+        self.group_s = group_s
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -247,7 +254,10 @@ class MLADecodeFP8F16Sm90:
         alpha = cute.make_rmem_tensor(slots, Float32)
         m_base = cute.make_rmem_tensor(slots, Float32)
         fac = cute.make_rmem_tensor(slots, Float32)
-        ks = cute.make_rmem_tensor((2, GROUPS), Int32)
+        ks = cute.make_rmem_tensor((2, GROUPS), Float32 if self.group_s else Int32)
+        acc_g = None
+        if const_expr(self.group_s):
+            acc_g = [cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, n)), Float32) for _ in range(GROUPS)]
         for s in cutlass.range_constexpr(slots):
             vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
             col_m[s] = -Float32.inf
@@ -292,7 +302,10 @@ class MLADecodeFP8F16Sm90:
                     v = sSc[k0 + 8 * hr, g, st]
                     if not keep:
                         v = Float32(0.0)
-                    ks[hr, g] = cvt_pair(v, v)
+                    if const_expr(self.group_s):
+                        ks[hr, g] = v
+                    else:
+                        ks[hr, g] = cvt_pair(v, v)
             sa = sSc[vb_key, vb_g, st]
             sb = sSc[vb_key + 8, vb_g, st]
             if vb_key >= valid:
@@ -320,8 +333,12 @@ class MLADecodeFP8F16Sm90:
                     w = ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
                     g = blk // 4
                     for st2 in cutlass.range_constexpr(2):
-                        lo0, hi0 = e4m3x4_to_f16(w[2 * st2], ks[0, g], ks[0, g])
-                        lo1, hi1 = e4m3x4_to_f16(w[2 * st2 + 1], ks[1, g], ks[1, g])
+                        if const_expr(self.group_s):
+                            lo0, hi0 = e4m3x4_to_f16_exact(w[2 * st2])
+                            lo1, hi1 = e4m3x4_to_f16_exact(w[2 * st2 + 1])
+                        else:
+                            lo0, hi0 = e4m3x4_to_f16(w[2 * st2], ks[0, g], ks[0, g])
+                            lo1, hi1 = e4m3x4_to_f16(w[2 * st2 + 1], ks[1, g], ks[1, g])
                         kk = 2 * b + st2
                         buf[4 * kk + 0] = lo0
                         buf[4 * kk + 1] = lo1
@@ -329,12 +346,29 @@ class MLADecodeFP8F16Sm90:
                         buf[4 * kk + 3] = hi1
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(2 * CHUNK):
-                    cute.gemm(atom_qk, acc_s, frag_k[j % 2][None, None, kk], tSrQ[None, None, 2 * CHUNK * j + kk],
-                              acc_s)
+                    if const_expr(self.group_s):
+                        # group (CHUNK j) // 4's accumulator, started by its first k-step
+                        grp = (CHUNK * j) // 4
+                        atom_g = cute.make_mma_atom(tiled_mma_qk.op)
+                        atom_g.set(warpgroup.Field.ACCUMULATE, not ((CHUNK * j) % 4 == 0 and kk == 0))
+                        cute.gemm(atom_g, acc_g[grp], frag_k[j % 2][None, None, kk],
+                                  tSrQ[None, None, 2 * CHUNK * j + kk], acc_g[grp])
+                    else:
+                        cute.gemm(atom_qk, acc_s, frag_k[j % 2][None, None, kk],
+                                  tSrQ[None, None, 2 * CHUNK * j + kk], acc_s)
                 warpgroup.commit_group()
             warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
+            if const_expr(self.group_s):
+                # S^T = k_pe's product + sum over groups of the group's product times its keys' scales (value i
+                # of the fragment: key k0 + 8 ((i // 2) % 2))
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    v = acc_s[i]
+                    for g in cutlass.range_constexpr(GROUPS):
+                        v = v + acc_g[g][i] * ks[(i // 2) % 2, g]
+                    acc_s[i] = v * fac[col_slot(i, n)]
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
             mask_keys(acc_s, tok0, k0, vis, min_vis, n)
             # -- column maxima: own rows, the warp, then the 4 warps --
             publish_column_max(acc_s, cols, lane, warp, sRed, (u % 2, c))
