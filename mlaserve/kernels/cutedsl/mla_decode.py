@@ -255,8 +255,8 @@ FP8_SPLIT_EPILOGUE = True
 # The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
 # group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of
 # every K value times its scale in f16 (128 HMUL2; K read as e4m3 * scale rounded to f16). At 32 rows the four
-# accumulators do not fit the registers. Not the same bits: K's values are read exactly (lse within ~1e-6 of the exact
-# entries' where the f16 reading of K missed them by ~3e-3 at 4x wider logits, bench/NOTES.md 144). As fast, on an H100
+# accumulators do not fit the registers. Not the same bits: K's values are read exactly (the f16 reading of K missed
+# the exact entries' lse by up to ~3e-3 at 4x wider logits, bench/NOTES.md 144). As fast, on an H100
 # (bench/NOTES.md 150; decode_ab, --sustain-ms 20): b128 h16 4k / 8k / 32k 1.001 / 1.001 / 1.002x, b16 h16 32k
 # (split) 1.003x, b128 h8 s_q2 4k 1.002x (False: for A/B runs)
 FP8_F16_GROUP_S = True
