@@ -89,8 +89,7 @@ def bf16x2_to_f32(w: Int32, *, loc=None, ip=None) -> tuple:
         llvm.StructType.get_literal([Float32.mlir_type] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
         "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}\n",
         "=f,=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return (Float32(llvm.extractvalue(Float32.mlir_type, pair, [0], loc=loc, ip=ip)),
-            Float32(llvm.extractvalue(Float32.mlir_type, pair, [1], loc=loc, ip=ip)))
+    return _two(pair, Float32, loc, ip)
 
 
 @dsl_user_op
@@ -112,8 +111,7 @@ def e4m3x4_to_f16(w: Int32, s_lo: Int32, s_hi: Int32, *, loc=None, ip=None) -> t
         "{\n.reg .b16 a, b;\n.reg .b32 x, y;\nmov.b32 {a, b}, $2;\ncvt.rn.f16x2.e4m3x2 x, a;\n"
         "cvt.rn.f16x2.e4m3x2 y, b;\nmul.rn.f16x2 $0, x, $3;\nmul.rn.f16x2 $1, y, $4;\n}\n",
         "=r,=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return (Int32(llvm.extractvalue(Int32.mlir_type, pair, [0], loc=loc, ip=ip)),
-            Int32(llvm.extractvalue(Int32.mlir_type, pair, [1], loc=loc, ip=ip)))
+    return _two(pair, Int32, loc, ip)
 
 
 @dsl_user_op
@@ -123,8 +121,13 @@ def e4m3x4_to_f16_exact(w: Int32, *, loc=None, ip=None) -> tuple:
         llvm.StructType.get_literal([Int32.mlir_type] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
         "{\n.reg .b16 a, b;\nmov.b32 {a, b}, $2;\ncvt.rn.f16x2.e4m3x2 $0, a;\ncvt.rn.f16x2.e4m3x2 $1, b;\n}\n",
         "=r,=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return (Int32(llvm.extractvalue(Int32.mlir_type, pair, [0], loc=loc, ip=ip)),
-            Int32(llvm.extractvalue(Int32.mlir_type, pair, [1], loc=loc, ip=ip)))
+    return _two(pair, Int32, loc, ip)
+
+
+def _two(pair, ty, loc, ip) -> tuple:
+    """The two values of an inline asm's two-result struct, as `ty`."""
+    return (ty(llvm.extractvalue(ty.mlir_type, pair, [0], loc=loc, ip=ip)),
+            ty(llvm.extractvalue(ty.mlir_type, pair, [1], loc=loc, ip=ip)))
 
 
 @dsl_user_op
