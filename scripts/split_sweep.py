@@ -21,6 +21,7 @@ change the summation order).
 
 import argparse
 import importlib
+import importlib.util
 import math
 import os
 import sys
@@ -120,9 +121,13 @@ def main() -> int:
                          "(mla_decode.uses_fp8_f16 otherwise takes it from CONFIG.fp8_mma_min_pages a split)")
     args = ap.parse_args()
     if args.fp8_f16_any_split:
+        # the GPU tests' stand-in (scripts/cutedsl_check.py), so that both run one rule
         cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
-        cd.uses_fp8_f16 = lambda kv_fp8, rows, max_pages, num_splits: (cd.FP8_F16 and kv_fp8
-                                                                       and cd.fp8_narrow_cols(rows) > 0)
+        spec = importlib.util.spec_from_file_location(
+            "cutedsl_check", os.path.join(os.path.dirname(os.path.abspath(__file__)), "cutedsl_check.py"))
+        check = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(check)
+        cd.uses_fp8_f16 = check.fp8_f16_any_split(cd)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     sweep(args.backend, args.fp8, args.shapes, args.configs, [int(c) for c in args.counts.split(",") if c])
     return 0

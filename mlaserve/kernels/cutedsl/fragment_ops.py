@@ -85,11 +85,10 @@ def st_shared_words(addr: Int32, words: list, *, loc=None, ip=None) -> None:
 @dsl_user_op
 def bf16x2_to_f32(w: Int32, *, loc=None, ip=None) -> tuple:
     """A word's two bf16 (bits 0..15, 16..31) as fp32."""
-    pair = llvm.inline_asm(
-        llvm.StructType.get_literal([Float32.mlir_type] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
+    return _asm_pair(
+        Float32, [Int32(w)],
         "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}\n",
-        "=f,=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return _two(pair, Float32, loc, ip)
+        "=f,=f,r", loc, ip)
 
 
 @dsl_user_op
@@ -105,27 +104,27 @@ def cvt_pair(lo: Float32, hi: Float32, kind: str = "f16", *, loc=None, ip=None) 
 def e4m3x4_to_f16(w: Int32, s_lo: Int32, s_hi: Int32, *, loc=None, ip=None) -> tuple:
     """A word's 4 e4m3 bytes -> (f16x2 of bytes 0, 1 times s_lo, f16x2 of bytes 2, 3 times s_hi): cvt is exact,
     the multiply rounds once."""
-    pair = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 2),
-        [Int32(w).ir_value(loc=loc, ip=ip), Int32(s_lo).ir_value(loc=loc, ip=ip), Int32(s_hi).ir_value(loc=loc, ip=ip)],
+    return _asm_pair(
+        Int32, [Int32(w), Int32(s_lo), Int32(s_hi)],
         "{\n.reg .b16 a, b;\n.reg .b32 x, y;\nmov.b32 {a, b}, $2;\ncvt.rn.f16x2.e4m3x2 x, a;\n"
         "cvt.rn.f16x2.e4m3x2 y, b;\nmul.rn.f16x2 $0, x, $3;\nmul.rn.f16x2 $1, y, $4;\n}\n",
-        "=r,=r,r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return _two(pair, Int32, loc, ip)
+        "=r,=r,r,r,r", loc, ip)
 
 
 @dsl_user_op
 def e4m3x4_to_f16_exact(w: Int32, *, loc=None, ip=None) -> tuple:
     """A word's 4 e4m3 bytes -> (f16x2 of bytes 0, 1, f16x2 of bytes 2, 3), exact (no scale)."""
-    pair = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
+    return _asm_pair(
+        Int32, [Int32(w)],
         "{\n.reg .b16 a, b;\nmov.b32 {a, b}, $2;\ncvt.rn.f16x2.e4m3x2 $0, a;\ncvt.rn.f16x2.e4m3x2 $1, b;\n}\n",
-        "=r,=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return _two(pair, Int32, loc, ip)
+        "=r,=r,r", loc, ip)
 
 
-def _two(pair, ty, loc, ip) -> tuple:
-    """The two values of an inline asm's two-result struct, as `ty`."""
+def _asm_pair(ty, args: list, asm: str, constraints: str, loc, ip) -> tuple:
+    """Pure inline asm of two `ty` results ($0, $1) over `args` (DSL values, $2 ..) -> the two results."""
+    pair = llvm.inline_asm(
+        llvm.StructType.get_literal([ty.mlir_type] * 2), [a.ir_value(loc=loc, ip=ip) for a in args], asm,
+        constraints, has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return (ty(llvm.extractvalue(ty.mlir_type, pair, [0], loc=loc, ip=ip)),
             ty(llvm.extractvalue(ty.mlir_type, pair, [1], loc=loc, ip=ip)))
 
