@@ -13,7 +13,7 @@ swap costs nothing: it is in the prmt selectors, which are registers. k_pe trave
 columns, issued by warp 0 once the stage is free, on the stage's full barrier (the loader's 128 arrivals after its
 proxy fence, and the TMA's one with its bytes).
 
-Loads run GROUPS_IN_FLIGHT groups of 4 rows (20 words a thread) ahead of the conversion, across pages: the next
+Loads run GROUPS_AHEAD groups of GROUP_ROWS rows (5 words a row and thread) ahead of the conversion, across pages: the next
 page's first groups are issued while this page's last are converted, before the wait for the next stage to be free.
 """
 
@@ -35,9 +35,8 @@ STAGE_BYTES = TILE_N * D_QK * 2       # a bf16 ring stage [64, 576]
 BLOCK_BYTES = TILE_N * 128            # one 64-column block of it (128-byte swizzle)
 LOADER_THREADS = 128
 WARP_ROWS = TILE_N // 4               # rows a loader warp converts a page
-GROUP_ROWS = 4
-GROUPS = WARP_ROWS // GROUP_ROWS      # groups a page
-GROUPS_IN_FLIGHT = 3                  # groups loaded ahead of the one converted
+GROUP_ROWS = 4                        # rows of a warp a group of loads covers (the default)
+GROUPS_AHEAD = 3                      # groups loaded ahead of the one converted (the default)
 NZ = 0x80008000                       # -0.0 twice: the fma's addend
 SEL_SWAP = 0x4444                     # prmt selectors 0x9180 / 0xB3A2 (bytes of a) <-> 0xD5C4 / 0xF7E6 (of b)
 
@@ -67,21 +66,22 @@ class LaneConsts:
         self.row0 = 2 * warp
 
 
-def load_group(lc: LaneConsts, page_addr: Int64, j: int) -> list:
-    """Group j's loads of the page at global address `page_addr`: per row its 4 data words and its scale word."""
+def load_group(lc: LaneConsts, page_addr: Int64, j: int, rows: int) -> list:
+    """Group j's loads (of `rows` rows) of the page at global address `page_addr`: per row its 4 data words and its
+    scale word."""
     data = page_addr + lc.data
     scale = page_addr + lc.scale
     out = []
-    for i in range(GROUP_ROWS * j, GROUP_ROWS * (j + 1)):
+    for i in range(rows * j, rows * (j + 1)):
         out += ld_global_nc_v4(data + row_of(i) * ROW_BYTES)
         out.append(ld_global_nc_b32(scale + row_of(i) * ROW_BYTES))
     return out
 
 
-def store_group(lc: LaneConsts, words: list, j: int, stage_base: Int32, valid: Int32):
+def store_group(lc: LaneConsts, words: list, j: int, rows: int, stage_base: Int32, valid: Int32):
     """Group j's rows (load_group's words) as bf16 into the stage at shared address `stage_base`; rows >= `valid`
     as zeros (multiplier 0)."""
-    for n, i in enumerate(range(GROUP_ROWS * j, GROUP_ROWS * (j + 1))):
+    for n, i in enumerate(range(rows * j, rows * (j + 1))):
         w = words[5 * n:5 * n + 5]
         keep = _all_ones_if_lt(lc.row0 + row_of(i), valid)
         mult = _bf16x2_hi(w[4] + EXP_120) & keep
@@ -92,10 +92,13 @@ def store_group(lc: LaneConsts, words: list, j: int, stage_base: Int32, valid: I
 @cute.jit
 def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: Int32, kv_pipe, tma_pe: cute.CopyAtom,
                         tPg: cute.Tensor, tPs: cute.Tensor, mBT: cute.Tensor, batch: Int32, first_page: Int32,
-                        n_tiles: Int32, seqlen: Int32, start: Int32, stages: cutlass.Constexpr[int]):
+                        n_tiles: Int32, seqlen: Int32, start: Int32, stages: cutlass.Constexpr[int],
+                        group_rows: cutlass.Constexpr[int] = GROUP_ROWS, ahead: cutlass.Constexpr[int] = GROUPS_AHEAD):
     """The loader warpgroup's part of one (request, split): its n_tiles pages from page index first_page of the
     block table into the ring (stages of [64, 576] bf16 from shared address skv_base), page t into stage t % stages
-    once kv_pipe says it is free, then handed over on its full barrier."""
+    once kv_pipe says it is free, then handed over on its full barrier. Loads go in groups of `group_rows` rows a
+    warp, `ahead` groups ahead of the one converted."""
+    groups = WARP_ROWS // group_rows
     lc = LaneConsts(warp_idx, tidx % 32)
     page = Int32(0)              # an n_tiles of 0 loads page 0's first groups, which exist, and uses none of them
     nxt = Int32(0)
@@ -103,7 +106,7 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
         page = mBT[batch, first_page]
         nxt = mBT[batch, first_page + cutlass.min(1, n_tiles - 1)]
     addr = kv_addr + Int64(page) * PAGE_BYTES
-    ahead = [load_group(lc, addr, j) for j in range(GROUPS_IN_FLIGHT)]
+    loaded = [load_group(lc, addr, j, group_rows) for j in range(ahead)]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for t in cutlass.range(n_tiles, unroll=1):
         later = mBT[batch, first_page + cutlass.min(t + 2, n_tiles - 1)]
@@ -116,20 +119,20 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
             cute.copy(tma_pe, tPg[None, page], tPs[None, state.index], tma_bar_ptr=kv_pipe.producer_get_barrier(state))
         else:
             kv_pipe.sync_object_empty.wait(state.index, state.phase)
-        this_page = list(ahead)
-        nxt_ahead = []
-        for j in cutlass.range_constexpr(GROUPS):
-            store_group(lc, this_page[j], j, stage_base, valid)
-            k = j + GROUPS_IN_FLIGHT
-            if const_expr(k < GROUPS):
-                this_page.append(load_group(lc, addr, k))
+        this_page = list(loaded)
+        next_page = []
+        for j in cutlass.range_constexpr(groups):
+            store_group(lc, this_page[j], j, group_rows, stage_base, valid)
+            k = j + ahead
+            if const_expr(k < groups):
+                this_page.append(load_group(lc, addr, k, group_rows))
             else:
-                nxt_ahead.append(load_group(lc, nxt_addr, k - GROUPS))
+                next_page.append(load_group(lc, nxt_addr, k - groups, group_rows))
         # generic-proxy stores -> the consumers' wgmma (async proxy), then this thread's arrival
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(kv_pipe.producer_get_barrier(state))
         state.advance()
-        ahead = nxt_ahead
+        loaded = next_page
         addr = nxt_addr
         page = nxt
         nxt = later
