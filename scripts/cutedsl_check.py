@@ -27,7 +27,8 @@ import time
 import torch
 
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
-from mlaserve.kernels import reference
+from mlaserve.bench.switches import set_module_value  # noqa: E402
+from mlaserve.kernels import reference  # noqa: E402
 from mlaserve.kernels.tolerance import attention_close  # noqa: E402
 
 SCALE = 192 ** -0.5
@@ -275,7 +276,8 @@ def main_fp8(args) -> int:
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "(FP8 KV)", flush=True)
     if args.bench_only:
-        bench_fp8(args.narrow)
+        shapes = None if args.shapes is None else [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
+        bench_fp8(args.narrow, shapes)
         return 0
     t0 = time.perf_counter()
     failed = check_fp8(args.quick)
@@ -293,7 +295,13 @@ def main() -> int:
     ap.add_argument("--clusters", action="store_true")
     ap.add_argument("--bench-only", action="store_true", help="with --fp8: the timings alone")
     ap.add_argument("--narrow", action="store_true", help="with --fp8 --bench-only: <= 32 query rows only")
+    ap.add_argument("--shapes", default=None,
+                    help="with --fp8 --bench-only: these s_q x h instead, e.g. 1x64,1x128,2x64")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a bool or int value of the CuTe DSL's mla_decode module, e.g. FP8_SEESAW=1; repeatable")
     args = ap.parse_args()
+    for item in args.set:
+        set_module_value(cd.__name__, item)
     if args.clusters:
         sweep_clusters()
         return 0
