@@ -595,7 +595,7 @@ def _fp8_mma_for_every_split(monkeypatch):
 
 
 @pytest.mark.parametrize("s_q, h, fp8_mma, seesaw", [(2, 64, False, False), (1, 16, True, False),
-                                                   (1, 128, False, True)])
+                                                   (1, 128, False, True)], ids=["w64", "fp8_mma", "fp8_seesaw"])
 def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma, seesaw):
     """A captured FP8 step (the 64-row kernel; the FP8-MMA one, taken for every split, against the exact entries; the
     seesaw on the register-path loader, FP8_SEESAW)."""

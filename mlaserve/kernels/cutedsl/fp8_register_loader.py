@@ -37,6 +37,7 @@ LOADER_THREADS = 128
 WARP_ROWS = TILE_N // 4               # rows a loader warp converts a page
 GROUP_ROWS = 4                        # rows of a warp a group of loads covers (the default)
 GROUPS_AHEAD = 3                      # groups loaded ahead of the one converted (the default)
+PREFETCH = False                      # warp 0 asks L2 for the bytes of the page after next (the default)
 NZ = 0x80008000                       # -0.0 twice: the fma's addend
 SEL_SWAP = 0x4444                     # prmt selectors 0x9180 / 0xB3A2 (bytes of a) <-> 0xD5C4 / 0xF7E6 (of b)
 
@@ -93,11 +94,15 @@ def store_group(lc: LaneConsts, words: list, j: int, rows: int, stage_base: Int3
 def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: Int32, kv_pipe, tma_pe: cute.CopyAtom,
                         tPg: cute.Tensor, tPs: cute.Tensor, mBT: cute.Tensor, batch: Int32, first_page: Int32,
                         n_tiles: Int32, seqlen: Int32, start: Int32, stages: cutlass.Constexpr[int],
-                        group_rows: cutlass.Constexpr[int] = GROUP_ROWS, ahead: cutlass.Constexpr[int] = GROUPS_AHEAD):
+                        group_rows: cutlass.Constexpr[int] = GROUP_ROWS, ahead: cutlass.Constexpr[int] = GROUPS_AHEAD,
+                        prefetch: cutlass.Constexpr[bool] = PREFETCH):
     """The loader warpgroup's part of one (request, split): its n_tiles pages from page index first_page of the
     block table into the ring (stages of [64, 576] bf16 from shared address skv_base), page t into stage t % stages
     once kv_pipe says it is free, then handed over on its full barrier. Loads go in groups of `group_rows` rows a
-    warp, `ahead` groups ahead of the one converted."""
+    warp, `ahead` groups ahead of the one converted. With `prefetch`, warp 0 asks L2 for page t + 2's bytes (one bulk
+    prefetch of the whole page, the block-table entry the loads read ahead anyway) while it starts page t, so that the
+    loads find them there: a thread's registers hold too few bytes in flight to cover the trip from DRAM (Little's
+    law), the prefetch engine's requests hold none."""
     groups = WARP_ROWS // group_rows
     lc = LaneConsts(warp_idx, tidx % 32)
     page = Int32(0)              # an n_tiles of 0 loads page 0's first groups, which exist, and uses none of them
@@ -108,8 +113,14 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
     addr = kv_addr + Int64(page) * PAGE_BYTES
     loaded = [load_group(lc, addr, j, group_rows) for j in range(ahead)]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    if const_expr(prefetch):
+        if warp_idx == 0 and n_tiles > 1:
+            prefetch_l2(kv_addr + Int64(nxt) * PAGE_BYTES, PAGE_BYTES)
     for t in cutlass.range(n_tiles, unroll=1):
         later = mBT[batch, first_page + cutlass.min(t + 2, n_tiles - 1)]
+        if const_expr(prefetch):
+            if warp_idx == 0 and t + 2 < n_tiles:
+                prefetch_l2(kv_addr + Int64(later) * PAGE_BYTES, PAGE_BYTES)
         nxt_addr = kv_addr + Int64(nxt) * PAGE_BYTES
         valid = seqlen - (start + t * TILE_N)
         stage_base = skv_base + state.index * STAGE_BYTES
@@ -155,6 +166,17 @@ def ld_global_nc_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(
         Int32.mlir_type, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.L1::no_allocate.b32 $0, [$1];", "=r,l",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """A bulk prefetch of `nbytes` (a multiple of 16) from global address `addr` (16-byte aligned) into L2, issued by
+    one elected lane of the calling warp."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+        f"@p cp.async.bulk.prefetch.L2.global [$0], {nbytes};\n}}\n",
+        "l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
