@@ -3,18 +3,17 @@ page of the FP8 656-byte cache with 16-byte global loads straight into registers
 [64, 576] ring stage the seesaw consumers read (mla_decode_consumer.SeesawConsumer), so that FP8 pages flow through
 the bf16 kernel's schedule with no raw smem stage (Q 72 KB + two 72 KB stages + P 8 KB leave no room for one).
 
-Per page and warp w (rows 2w, 2w + 1, 2w + 8, 2w + 9, ..., 16 rows whose row % 8 is 2w or 2w + 1, so that a thread's
-swizzled store addresses take two patterns, not eight): one row a warp-load, lane l its 16 e4m3 bytes l (columns
-16 l .. 16 l + 15: 512 coalesced bytes a row) and the row's scale of those columns (a 4-byte load the 8 lanes of a
-scale group share). The 16 bytes become two 16-byte bf16 chunks of the 128-byte-swizzled 64-column block l // 4
-(fp8_dequant's bit trick: exact, no conversion instruction); lanes of odd blocks store their second chunk first,
-so that each store instruction of the warp covers all 8 bank groups (4 wavefronts, the minimum for 512 bytes). The
-swap costs nothing: it is in the prmt selectors, which are registers. k_pe travels by TMA into the stage's rope
-columns, issued by warp 0 once the stage is free, on the stage's full barrier (the loader's 128 arrivals after its
-proxy fence, and the TMA's one with its bytes).
+A page goes by column groups (128 columns, one scale each), so that its first columns can be handed over while the
+rest are converted (`parts`). Warp w converts rows 16 w .. 16 w + 15; a warp-load covers 4 rows of one group, lane
+l row 16 w + 4 q + l // 8 and its 16 e4m3 bytes l % 8 of the group (4 x 128 coalesced bytes) plus the row's scale
+(a 4-byte load the 8 lanes of a row share). The 16 bytes become two 16-byte bf16 chunks of the 128-byte-swizzled
+64-column block (fp8_dequant's bit trick: exact, no conversion instruction); lanes of odd blocks store their second
+chunk first, so that each store instruction of the warp covers all 8 bank groups (4 wavefronts, the minimum for 512
+bytes). The swap costs nothing: it is in the prmt selectors, which are registers. k_pe travels by TMA into the
+stage's rope columns, issued by warp 0 once the stage is free, on the last part's full barrier.
 
-Loads run GROUPS_AHEAD groups of GROUP_ROWS rows (5 words a row and thread) ahead of the conversion, across pages: the next
-page's first groups are issued while this page's last are converted, before the wait for the next stage to be free.
+Loads run `ahead` groups (20 words a thread each) ahead of the one converted, across pages: the next page's first
+groups are issued while this page's last are converted, before the wait for the next stage to be free.
 """
 
 import cutlass
@@ -34,76 +33,89 @@ PAGE_BYTES = TILE_N * ROW_BYTES
 STAGE_BYTES = TILE_N * D_QK * 2       # a bf16 ring stage [64, 576]
 BLOCK_BYTES = TILE_N * 128            # one 64-column block of it (128-byte swizzle)
 LOADER_THREADS = 128
-WARP_ROWS = TILE_N // 4               # rows a loader warp converts a page
-GROUP_ROWS = 4                        # rows of a warp a group of loads covers (the default)
+GROUPS = 4                            # column groups of 128 (one scale each) a page
+LOADS = 4                             # warp-loads of 4 rows a group and warp
 GROUPS_AHEAD = 3                      # groups loaded ahead of the one converted (the default)
 PREFETCH = False                      # warp 0 asks L2 for the bytes of the page after next (the default)
+CARRY = True                          # loads run ahead across pages (the default)
 NZ = 0x80008000                       # -0.0 twice: the fma's addend
 SEL_SWAP = 0x4444                     # prmt selectors 0x9180 / 0xB3A2 (bytes of a) <-> 0xD5C4 / 0xF7E6 (of b)
 
 
-def row_of(i: int) -> int:
-    """A warp's i-th row (0 .. 15) less 2w: 0, 1, 8, 9, 16, 17, ..."""
-    return i % 2 + 8 * (i // 2)
+def part_groups(parts: int) -> tuple:
+    """The column groups that end each of `parts` parts of a page (2: groups 0-1 | 2-3)."""
+    return tuple(GROUPS * (p + 1) // parts for p in range(parts))
+
+
+def part_ending_at(g: int, parts: int) -> int:
+    """The part that column group g ends, or -1."""
+    ends = part_groups(parts)
+    return ends.index(g + 1) if g + 1 in ends else -1
+
+
+def part_k_blocks(parts: int) -> tuple:
+    """S's k-blocks (16 columns) a part starts at, and the end: the last part also has the rope's 64 columns."""
+    return (0, *(g * 8 for g in part_groups(parts)[:-1]), D_QK // 16)
 
 
 class LaneConsts:
-    """What a loader thread computes once: its prmt selectors, its store offsets in a stage (per row parity p and
-    store s) and its byte offsets within a row (data and scale), for warp `warp` and lane `lane`."""
+    """What a loader thread computes once: its prmt selectors, its store offset in a stage (of its first row's first
+    chunk; the others are XORs and adds of it, store_group), its byte offsets within a page (data; the scale's is
+    data + scale_delta) and its first row."""
 
     def __init__(self, warp: Int32, lane: Int32):
-        blk = lane // 4
-        odd = blk % 2
+        c = lane % 8                      # the 16-byte chunk of the group's 128 e4m3 bytes
+        sub = lane // 8                   # the row within a warp-load's 4
+        odd = c // 4                      # the chunk's 64-column block within the group
         swap = odd * SEL_SWAP
         self.sel = [swap ^ 0x9180, swap ^ 0xB3A2, swap ^ 0xD5C4, swap ^ 0xF7E6]
-        self.store = []
-        for p in range(2):
-            r = 2 * warp + p
-            for s in range(2):
-                chunk = (2 * (lane % 4) + (odd ^ s)) ^ r
-                self.store.append(blk * BLOCK_BYTES + r * 128 + chunk * 16)
-        self.data = Int64(2 * warp * ROW_BYTES + 16 * lane)
-        self.scale = Int64(2 * warp * ROW_BYTES + SCALE_BYTE + 4 * (lane // 8))
-        self.row0 = 2 * warp
+        self.row0 = 16 * warp + sub
+        self.store = odd * BLOCK_BYTES + self.row0 * 128 + ((2 * (c % 4) + odd) ^ sub) * 16
+        self.data = Int64(self.row0 * ROW_BYTES + 16 * c)
+        self.scale_delta = Int64(SCALE_BYTE - 16 * c)
 
 
-def load_group(lc: LaneConsts, page_addr: Int64, j: int, rows: int) -> list:
-    """Group j's loads (of `rows` rows) of the page at global address `page_addr`: per row its 4 data words and its
-    scale word."""
+def load_group(lc: LaneConsts, page_addr: Int64, g: int) -> list:
+    """Column group g's loads of the page at global address `page_addr`: per warp-load the thread's 4 data words and
+    its row's scale."""
     data = page_addr + lc.data
-    scale = page_addr + lc.scale
+    scale = data + lc.scale_delta
     out = []
-    for i in range(rows * j, rows * (j + 1)):
-        out += ld_global_nc_v4(data + row_of(i) * ROW_BYTES)
-        out.append(ld_global_nc_b32(scale + row_of(i) * ROW_BYTES))
+    for q in range(LOADS):
+        out += ld_global_nc_v4(data + (4 * q * ROW_BYTES + 128 * g))
+        out.append(ld_global_nc_b32(scale + (4 * q * ROW_BYTES + 4 * g)))
     return out
 
 
-def store_group(lc: LaneConsts, words: list, j: int, rows: int, stage_base: Int32, valid: Int32):
-    """Group j's rows (load_group's words) as bf16 into the stage at shared address `stage_base`; rows >= `valid`
-    as zeros (multiplier 0)."""
-    for n, i in enumerate(range(rows * j, rows * (j + 1))):
-        w = words[5 * n:5 * n + 5]
-        keep = _all_ones_if_lt(lc.row0 + row_of(i), valid)
+def store_group(lc: LaneConsts, words: list, g: int, stage_base: Int32, valid: Int32):
+    """Column group g (load_group's words) as bf16 into the stage at shared address `stage_base` (1024-byte aligned);
+    rows >= `valid` as zeros (multiplier 0). Load q's row is 4 q further down (+512 q bytes) and its swizzle XORs the
+    chunk with 4 more where q is odd (bit 6); the second chunk of a row is the first's XOR 1 (bit 4)."""
+    for q in range(LOADS):
+        w = words[5 * q:5 * q + 5]
+        keep = _all_ones_if_lt(lc.row0 + 4 * q, valid)
         mult = _bf16x2_hi(w[4] + EXP_120) & keep
-        base = stage_base + (i // 2) * 1024
-        convert16_store(w[:4], lc.sel, mult, base + lc.store[2 * (i % 2)], base + lc.store[2 * (i % 2) + 1])
+        dst = ((stage_base + g * (2 * BLOCK_BYTES) + lc.store) ^ (64 * (q % 2))) + 512 * q
+        convert16_store(w[:4], lc.sel, mult, dst, dst ^ 16)
 
 
 @cute.jit
-def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: Int32, kv_pipe, tma_pe: cute.CopyAtom,
-                        tPg: cute.Tensor, tPs: cute.Tensor, mBT: cute.Tensor, batch: Int32, first_page: Int32,
-                        n_tiles: Int32, seqlen: Int32, start: Int32, stages: cutlass.Constexpr[int],
-                        group_rows: cutlass.Constexpr[int] = GROUP_ROWS, ahead: cutlass.Constexpr[int] = GROUPS_AHEAD,
-                        prefetch: cutlass.Constexpr[bool] = PREFETCH):
+def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: Int32, pipes: tuple,
+                        tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, mBT: cute.Tensor, batch: Int32,
+                        first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32,
+                        stages: cutlass.Constexpr[int], ahead: cutlass.Constexpr[int] = GROUPS_AHEAD,
+                        prefetch: cutlass.Constexpr[bool] = PREFETCH, carry: cutlass.Constexpr[bool] = CARRY):
     """The loader warpgroup's part of one (request, split): its n_tiles pages from page index first_page of the
     block table into the ring (stages of [64, 576] bf16 from shared address skv_base), page t into stage t % stages
-    once kv_pipe says it is free, then handed over on its full barrier. Loads go in groups of `group_rows` rows a
-    warp, `ahead` groups ahead of the one converted. With `prefetch`, warp 0 asks L2 for page t + 2's bytes (one bulk
-    prefetch of the whole page, the block-table entry the loads read ahead anyway) while it starts page t, so that the
-    loads find them there: a thread's registers hold too few bytes in flight to cover the trip from DRAM (Little's
-    law), the prefetch engine's requests hold none."""
-    groups = WARP_ROWS // group_rows
+    once the consumers freed it, handed over part by part: `pipes` holds a pipeline per part (part_groups; the last
+    one's full barrier also takes k_pe's TMA bytes). Loads go `ahead` column groups ahead of the one converted. With
+    `prefetch`, warp 0 asks L2 for page t + 2's bytes (one bulk prefetch of the whole page, the block-table entry the
+    loads read ahead anyway) while it starts page t, so that the loads find them there: a thread's registers hold
+    too few bytes in flight to cover the trip from DRAM (Little's law), the prefetch engine's requests hold none.
+    Without `carry`, a page's first loads are issued at its start (after the page before was handed over) instead
+    of while the page before is converted: no load is in flight at a hand-over's proxy fence (a MEMBAR.ALL.CTA in
+    the SASS), which may wait for them."""
+    last = pipes[len(pipes) - 1]
     lc = LaneConsts(warp_idx, tidx % 32)
     page = Int32(0)              # an n_tiles of 0 loads page 0's first groups, which exist, and uses none of them
     nxt = Int32(0)
@@ -111,7 +123,7 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
         page = mBT[batch, first_page]
         nxt = mBT[batch, first_page + cutlass.min(1, n_tiles - 1)]
     addr = kv_addr + Int64(page) * PAGE_BYTES
-    loaded = [load_group(lc, addr, j, group_rows) for j in range(ahead)]
+    loaded = [load_group(lc, addr, g) for g in range(ahead if carry else 0)]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     if const_expr(prefetch):
         if warp_idx == 0 and n_tiles > 1:
@@ -124,29 +136,46 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
         nxt_addr = kv_addr + Int64(nxt) * PAGE_BYTES
         valid = seqlen - (start + t * TILE_N)
         stage_base = skv_base + state.index * STAGE_BYTES
-        # the stage is free: warp 0 arrives with k_pe's bytes and issues its TMA
+        if const_expr(not carry):
+            loaded = [load_group(lc, addr, g) for g in range(ahead)]
+        # the stage is free (the consumers free all its parts at once): warp 0 arrives on the last part's full
+        # barrier with k_pe's bytes and issues its TMA
+        for earlier in cutlass.range_constexpr(len(pipes) - 1):
+            pipes[earlier].sync_object_empty.wait(state.index, state.phase)
         if warp_idx == 0:
-            kv_pipe.producer_acquire(state)
-            cute.copy(tma_pe, tPg[None, page], tPs[None, state.index], tma_bar_ptr=kv_pipe.producer_get_barrier(state))
+            last.producer_acquire(state)
+            cute.copy(tma_pe, tPg[None, page], tPs[None, state.index], tma_bar_ptr=last.producer_get_barrier(state))
         else:
-            kv_pipe.sync_object_empty.wait(state.index, state.phase)
+            last.sync_object_empty.wait(state.index, state.phase)
         this_page = list(loaded)
         next_page = []
-        for j in cutlass.range_constexpr(groups):
-            store_group(lc, this_page[j], j, group_rows, stage_base, valid)
-            k = j + ahead
-            if const_expr(k < groups):
-                this_page.append(load_group(lc, addr, k, group_rows))
-            else:
-                next_page.append(load_group(lc, nxt_addr, k - groups, group_rows))
-        # generic-proxy stores -> the consumers' wgmma (async proxy), then this thread's arrival
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.mbarrier_arrive(kv_pipe.producer_get_barrier(state))
+        for g in cutlass.range_constexpr(GROUPS):
+            store_group(lc, this_page[g], g, stage_base, valid)
+            k = g + ahead
+            if const_expr(k < GROUPS):
+                this_page.append(load_group(lc, addr, k))
+            elif const_expr(carry):
+                next_page.append(load_group(lc, nxt_addr, k - GROUPS))
+            if const_expr(part_ending_at(g, len(pipes)) >= 0):
+                # generic-proxy stores -> the consumers' wgmma (async proxy), then this thread's arrival
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(pipes[part_ending_at(g, len(pipes))].producer_get_barrier(state))
         state.advance()
         loaded = next_page
         addr = nxt_addr
         page = nxt
         nxt = later
+
+
+@dsl_user_op
+def prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """A bulk prefetch of `nbytes` (a multiple of 16) from global address `addr` (16-byte aligned) into L2, issued by
+    one elected lane of the calling warp."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+        f"@p cp.async.bulk.prefetch.L2.global [$0], {nbytes};\n}}\n",
+        "l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
@@ -166,17 +195,6 @@ def ld_global_nc_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(
         Int32.mlir_type, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.L1::no_allocate.b32 $0, [$1];", "=r,l",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
-    """A bulk prefetch of `nbytes` (a multiple of 16) from global address `addr` (16-byte aligned) into L2, issued by
-    one elected lane of the calling warp."""
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
-        f"@p cp.async.bulk.prefetch.L2.global [$0], {nbytes};\n}}\n",
-        "l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op

@@ -231,12 +231,15 @@ FP8_ONE_BARRIER = True
 # fills with each page's bf16 values (mla_decode_fp8_seesaw_kernel.py), in place of the 64-row FP8 kernel. Grid
 # launches, one CTA a row tile (not measured yet: off)
 FP8_SEESAW = False
-# its loader's global loads: groups of FP8_SEESAW_GROUP_ROWS rows a warp, FP8_SEESAW_AHEAD groups ahead of the one it
-# converts (5 registers a row: fp8_register_loader.py)
-FP8_SEESAW_GROUP_ROWS = 4
-FP8_SEESAW_AHEAD = 3
+# its loader: each page handed over in FP8_SEESAW_PARTS column parts (1, 2 or 4; S issued part by part), its global
+# loads FP8_SEESAW_AHEAD column groups (128 columns, 20 registers) ahead of the one it converts (fp8_register_loader.py)
+FP8_SEESAW_PARTS = 2
+FP8_SEESAW_AHEAD = 2
 # ... and whether its warp 0 asks L2 for the bytes of the page after next (a bulk prefetch a page)
 FP8_SEESAW_PREFETCH = True
+# ... and whether its loads run ahead across pages (False: a page's first loads issued at its start, none in flight at
+# the hand-over's proxy fence)
+FP8_SEESAW_CARRY = True
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
@@ -484,7 +487,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         if not kv_fp8 or narrow:
             raise ValueError(f"the FP8 seesaw kernel takes FP8 KV at more than 32 rows, got kv_fp8={kv_fp8}, "
                              f"narrow={narrow}")
-        key += ("fp8-seesaw", f"groups={FP8_SEESAW_GROUP_ROWS}x{FP8_SEESAW_AHEAD}", f"prefetch={FP8_SEESAW_PREFETCH}")
+        key += ("fp8-seesaw", f"parts={FP8_SEESAW_PARTS}", f"ahead={FP8_SEESAW_AHEAD}",
+                f"prefetch={FP8_SEESAW_PREFETCH}", f"carry={FP8_SEESAW_CARRY}")
     elif kv_fp8 and not narrow:
         key += (("half-ring",) if FP8_HALF_RING else ()) + (("one-barrier",) if FP8_ONE_BARRIER else ())
     if fp8_mma:
@@ -532,9 +536,10 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         elif fp8_seesaw:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_seesaw_kernel")
             fn = cute.compile(kmod.MLADecodeFP8SeesawSm90(causal=causal, is_split=split, ordered=ordered,
-                                                          store16=store16, group_rows=FP8_SEESAW_GROUP_ROWS,
+                                                          store16=store16, parts=FP8_SEESAW_PARTS,
                                                           groups_ahead=FP8_SEESAW_AHEAD,
-                                                          prefetch=FP8_SEESAW_PREFETCH, **seesaw),
+                                                          prefetch=FP8_SEESAW_PREFETCH, carry=FP8_SEESAW_CARRY,
+                                                          **seesaw),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")

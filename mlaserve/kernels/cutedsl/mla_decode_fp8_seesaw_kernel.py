@@ -14,7 +14,8 @@ consumers (setmaxnreg CONSUMER_REGS, where the seesaw still compiles without spi
 
 Smem: Q 73728 + two stages 147456 + P 8192 + barriers and row statistics: the bf16 grid kernel's.
 
-Barriers a stage: full (LOADER_THREADS + 1 arrivals: the loader's threads after their proxy fence, warp 0's with
+Barriers a stage and part (mla_decode.FP8_SEESAW_PARTS column parts of a page, S issued part by part as they land):
+full (LOADER_THREADS arrivals, the loader's threads after their proxy fence, and in the last part warp 0's with
 k_pe's TMA bytes), empty (the 8 consumer warps, as in the bf16 kernel: both consumers read every page's V).
 """
 
@@ -29,7 +30,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, ROPE_ELEMS, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fp8_register_loader import (
-    GROUP_ROWS, GROUPS_AHEAD, LOADER_THREADS, PREFETCH, WARP_ROWS, fp8_register_loader)
+    CARRY, GROUPS, GROUPS_AHEAD, LOADER_THREADS, PREFETCH, fp8_register_loader, part_k_blocks)
+from mlaserve.kernels.cutedsl.seesaw_consumers import KVParts
 from mlaserve.kernels.cutedsl.mla_decode_kernel import THREADS, MLADecodeSm90
 from mlaserve.kernels.cutedsl.request_rows import grid_request, ordered_tensors, page_split
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
@@ -41,21 +43,25 @@ assert register_split_fits((LOADER_THREADS, LOADER_REGS), (THREADS - LOADER_THRE
 
 
 class MLADecodeFP8SeesawSm90(MLADecodeSm90):
-    """Compiled per (causal, split, ordered, store16, the seesaw's softmax switches, the loader's groups); q, out bf16. Launched by
+    """Compiled per (causal, split, ordered, store16, the seesaw's softmax switches, the loader's parts, depth and
+    prefetch); q, out bf16. Launched by
     mla_decode.py through `__call__`, with the FP8 kernels' pointers (mla_decode._fp8_pointers)."""
 
     def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False,
                  lazy_rescale: bool = False, fold_scale: bool = False, tree_max: bool = False, spec_exp: bool = False,
-                 group_rows: int = GROUP_ROWS, groups_ahead: int = GROUPS_AHEAD, prefetch: bool = PREFETCH):
-        if WARP_ROWS % group_rows or not 0 < groups_ahead <= WARP_ROWS // group_rows:
-            raise ValueError(f"the loader's groups of {group_rows} rows must divide its {WARP_ROWS} rows a warp, and "
-                             f"1 to all of them may be ahead, got {groups_ahead}")
-        self.group_rows = group_rows      # the loader's loads: groups of this many rows a warp ...
-        self.groups_ahead = groups_ahead  # ... this many ahead of the one it converts (fp8_register_loader)
-        self.prefetch = prefetch          # the loader asks L2 for the page after next
+                 parts: int = 1, groups_ahead: int = GROUPS_AHEAD, prefetch: bool = PREFETCH, carry: bool = CARRY):
+        if parts not in (1, 2, 4) or not 0 < groups_ahead <= GROUPS:
+            raise ValueError(f"a page goes in 1, 2 or 4 parts of its {GROUPS} column groups, 1 to {GROUPS} of them "
+                             f"loaded ahead, got parts={parts}, groups_ahead={groups_ahead}")
         super().__init__(cutlass.BFloat16, causal, is_split, store16=store16, early_sums=True,
                          lazy_rescale=lazy_rescale, fold_scale=fold_scale, tree_max=tree_max, spec_exp=spec_exp,
                          ordered=ordered)
+        # each page handed over in `parts` column parts, S issued part by part as they land (issue_mma_by_part)
+        self.kv_parts = parts
+        self.kv_part_bounds = part_k_blocks(parts)
+        self.groups_ahead = groups_ahead  # the loader's loads: column groups ahead of the one it converts
+        self.prefetch = prefetch          # the loader asks L2 for the page after next
+        self.carry = carry                # the loader's loads run ahead across pages
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -87,7 +93,7 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
 
         @cute.struct
         class SharedStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, NUM_STAGES * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_parts * NUM_STAGES * 2]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
@@ -120,12 +126,15 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        # full: the loader's threads and warp 0's arrival with k_pe's bytes; empty: one lane of each consumer warp
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_mbar.data_ptr(), num_stages=NUM_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, LOADER_THREADS + 1),
+        # a pipeline a part: full, the loader's threads (and, the last part's, warp 0's arrival with k_pe's bytes);
+        # empty, one lane of each consumer warp
+        pipes = tuple(pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr() + part * NUM_STAGES * 2, num_stages=NUM_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     LOADER_THREADS + (part == self.kv_parts - 1)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=TILE_N * D_PE * 2)
+            tx_count=TILE_N * D_PE * 2 if part == self.kv_parts - 1 else 0) for part in range(self.kv_parts))
+        kv_pipe = pipes[0] if const_expr(self.kv_parts == 1) else KVParts(pipes)
         q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -154,9 +163,9 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 q_pipe.producer_acquire(q_state)
                 cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-            fp8_register_loader(tidx, warp_idx, kv_addr, storage.sKV.data_ptr().toint(), kv_pipe, tma_pe, tPg, tPs,
-                                mBT, batch, start // TILE_N, n_tiles, seqlen, start, NUM_STAGES, self.group_rows,
-                                self.groups_ahead, self.prefetch)
+            fp8_register_loader(tidx, warp_idx, kv_addr, storage.sKV.data_ptr().toint(), pipes, tma_pe, tPg, tPs,
+                                mBT, batch, start // TILE_N, n_tiles, seqlen, start, NUM_STAGES, self.groups_ahead,
+                                self.prefetch, self.carry)
         else:
             # ---------------- consumers: the bf16 kernel's ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
