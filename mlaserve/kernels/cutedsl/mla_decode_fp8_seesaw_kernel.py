@@ -23,9 +23,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, ROPE_ELEMS, fp8_io_tensors
@@ -35,7 +34,7 @@ from mlaserve.kernels.cutedsl.seesaw_consumers import KVParts
 from mlaserve.kernels.cutedsl.mla_decode_kernel import THREADS, MLADecodeSm90
 from mlaserve.kernels.cutedsl.request_rows import grid_request, ordered_tensors, page_split
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
-    CONSUMER_THREADS, D_QK, D_V, NUM_STAGES, TILE_M, TILE_N, seesaw_operands, seesaw_tiled_mmas)
+    CONSUMER_THREADS, D_QK, D_V, NUM_STAGES, TILE_M, TILE_N, seesaw_operands, seesaw_smem_layouts, seesaw_tiled_mmas)
 
 LOADER_REGS = 88
 CONSUMER_REGS = 208
@@ -79,11 +78,7 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
         if const_expr(self.ordered):
             mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
 
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
-        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_QK, NUM_STAGES), order=(0, 1, 2))
-        sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
+        atom, sQ_layout, sKV_layout, sP_layout = seesaw_smem_layouts(self.dtype)
         sPE_layout = cute.tile_to_shape(atom, (TILE_N, D_PE), order=(0, 1))
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp()

@@ -85,9 +85,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.mla_decode import RANK_ORDER_MAX_B as ORDER_MAX_B
@@ -97,7 +96,7 @@ from mlaserve.kernels.cutedsl.mla_decode_producer import SeesawProducer
 from mlaserve.kernels.cutedsl.request_rows import grid_request, ordered_tensors, page_split
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
     CONSUMER_THREADS, D_QK, D_V, HALF_V, NUM_STAGES, TILE_M, TILE_N, KVParts, KVSplit, tile_state, seesaw_operands,
-    seesaw_tiled_mmas)
+    seesaw_smem_layouts, seesaw_tiled_mmas)
 from mlaserve.kernels.cutedsl.stream_k_pieces import first_piece, piece_of
 from mlaserve.kernels.cutedsl.ticket_scheduler import ITEM_STAGES, init_scheduler, next_item, rank_requests
 
@@ -228,12 +227,7 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
         if const_expr(self.ordered):
             mLse, mPO = ordered_tensors(mLse, mPO, lse_ptr, po_ptr, batch, self.is_split)
 
-        # -- smem layouts: every operand K-major with the 128-byte swizzle (64 16-bit values per row) --
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.dtype, D_QK), self.dtype)
-        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D_QK, NUM_STAGES), order=(0, 1, 2))
-        sP_layout = cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1))
+        _, sQ_layout, sKV_layout, sP_layout = seesaw_smem_layouts(self.dtype)
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (TILE_M, D_QK))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
@@ -69,6 +70,16 @@ def seesaw_tiled_mmas(dtype):
         dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1),
         (TILE_M, HALF_V), a_source=warpgroup.OperandSource.RMEM)
     return qk, pv, pv_rs
+
+
+def seesaw_smem_layouts(dtype) -> tuple:
+    """The seesaw's smem layouts, every operand K-major with the 128-byte swizzle (64 16-bit values a row): (the
+    swizzle atom, Q [64, 576], the KV ring [64, 576, NUM_STAGES], P [64, 64])."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, D_QK), dtype)
+    return (atom, cute.tile_to_shape(atom, (TILE_M, D_QK), order=(0, 1)),
+            cute.tile_to_shape(atom, (TILE_N, D_QK, NUM_STAGES), order=(0, 1, 2)),
+            cute.tile_to_shape(atom, (TILE_M, TILE_N), order=(0, 1)))
 
 
 def seesaw_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tiled_mma_pv_rs: cute.TiledMma,
