@@ -229,7 +229,9 @@ FP8_HALF_RING = True
 FP8_ONE_BARRIER = True
 # FP8 KV at more than 32 rows (h64, h128): the 16-bit kernel's seesaw consumers on a ring that a register-path loader
 # fills with each page's bf16 values (mla_decode_fp8_seesaw_kernel.py), in place of the 64-row FP8 kernel. Grid
-# launches, one CTA a row tile (not measured yet: off)
+# launches, one CTA a row tile. Off: its first loader ran on an H100 at the 64-row kernel's page rate (b128 h64 4k
+# 0.977x, h128 4k 1.074x that kernel; bench/NOTES.md 154), and the loader since (parts, L2 prefetch) has not run on a
+# GPU, its tests (tests/gpu/test_cutedsl_mla.py -k fp8_seesaw) included
 FP8_SEESAW = False
 # its loader: each page handed over in FP8_SEESAW_PARTS column parts (1, 2 or 4; S issued part by part), its global
 # loads FP8_SEESAW_AHEAD column groups (128 columns, 20 registers) ahead of the one it converts (fp8_register_loader.py)

@@ -30,21 +30,21 @@ from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, ROPE_ELEMS, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fp8_register_loader import (
     CARRY, GROUPS, GROUPS_AHEAD, LOADER_THREADS, PREFETCH, fp8_register_loader, part_k_blocks)
-from mlaserve.kernels.cutedsl.seesaw_consumers import KVParts
 from mlaserve.kernels.cutedsl.mla_decode_kernel import THREADS, MLADecodeSm90
 from mlaserve.kernels.cutedsl.request_rows import grid_request, ordered_tensors, page_split
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
-    CONSUMER_THREADS, D_QK, D_V, NUM_STAGES, TILE_M, TILE_N, seesaw_operands, seesaw_smem_layouts, seesaw_tiled_mmas)
+    CONSUMER_THREADS, D_QK, D_V, NUM_STAGES, TILE_M, TILE_N, KVParts, seesaw_operands, seesaw_smem_layouts,
+    seesaw_tiled_mmas)
 
 LOADER_REGS = 88
-CONSUMER_REGS = 208
+CONSUMER_REGS = 208   # 128 x 88 + 256 x 208 = 64512, the launch's 384 x 168
 assert register_split_fits((LOADER_THREADS, LOADER_REGS), (THREADS - LOADER_THREADS, CONSUMER_REGS))
 
 
 class MLADecodeFP8SeesawSm90(MLADecodeSm90):
-    """Compiled per (causal, split, ordered, store16, the seesaw's softmax switches, the loader's parts, depth and
-    prefetch); q, out bf16. Launched by
-    mla_decode.py through `__call__`, with the FP8 kernels' pointers (mla_decode._fp8_pointers)."""
+    """Compiled per (causal, split, ordered, store16, the seesaw's softmax switches, the loader's parts, depth,
+    prefetch and carry); q, out bf16. Launched by mla_decode.py through `__call__`, with the FP8 kernels' pointers
+    (mla_decode._fp8_pointers)."""
 
     def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False,
                  lazy_rescale: bool = False, fold_scale: bool = False, tree_max: bool = False, spec_exp: bool = False,
