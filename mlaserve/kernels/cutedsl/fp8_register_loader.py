@@ -12,8 +12,8 @@ chunk first, so that each store instruction of the warp covers all 8 bank groups
 bytes). The swap costs nothing: it is in the prmt selectors, which are registers. k_pe travels by TMA into the
 stage's rope columns, issued by warp 0 once the stage is free, on the last part's full barrier.
 
-Loads run `ahead` groups (20 words a thread each) ahead of the one converted, across pages: the next page's first
-groups are issued while this page's last are converted, before the wait for the next stage to be free.
+Loads run `ahead` groups (20 words a thread each) ahead of the one converted, across pages (`carry`): the next
+page's first groups are issued while this page's last are converted, before the wait for the next stage to be free.
 """
 
 import cutlass
@@ -35,9 +35,10 @@ BLOCK_BYTES = TILE_N * 128            # one 64-column block of it (128-byte swiz
 LOADER_THREADS = 128
 GROUPS = 4                            # column groups of 128 (one scale each) a page
 LOADS = 4                             # warp-loads of 4 rows a group and warp
-GROUPS_AHEAD = 3                      # groups loaded ahead of the one converted (the default)
-PREFETCH = False                      # warp 0 asks L2 for the bytes of the page after next (the default)
-CARRY = True                          # loads run ahead across pages (the default)
+# the loader's defaults (mla_decode passes its FP8_SEESAW_* values)
+GROUPS_AHEAD = 3                      # groups loaded ahead of the one converted
+PREFETCH = False                      # warp 0 asks L2 for the bytes of the page after next
+CARRY = True                          # loads run ahead across pages
 NZ = 0x80008000                       # -0.0 twice: the fma's addend
 SEL_SWAP = 0x4444                     # prmt selectors 0x9180 / 0xB3A2 (bytes of a) <-> 0xD5C4 / 0xF7E6 (of b)
 
