@@ -24,6 +24,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.fp8_dequant import EXP_120, _all_ones_if_lt, _bf16x2_hi
+from mlaserve.kernels.cutedsl.fragment_ops import ld_global_v4_b32
 
 TILE_N = 64
 D_QK = 576
@@ -83,7 +84,7 @@ def load_group(lc: LaneConsts, page_addr: Int64, g: int) -> list:
     scale = data + lc.scale_delta
     out = []
     for q in range(LOADS):
-        out += ld_global_nc_v4(data + (4 * q * ROW_BYTES + 128 * g))
+        out += ld_global_v4_b32(data + (4 * q * ROW_BYTES + 128 * g), streamed=True)
         out.append(ld_global_nc_b32(scale + (4 * q * ROW_BYTES + 4 * g)))
     return out
 
@@ -180,19 +181,8 @@ def prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def ld_global_nc_v4(addr: Int64, *, loc=None, ip=None) -> list:
-    """The 16 bytes at global address `addr` as 4 words, read-only path, not kept in L1; volatile in the asm's sense
-    (side effects), so that neither LLVM nor ptxas moves it from where the loader issues it."""
-    quad = llvm.inline_asm(
-        llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(Int32.mlir_type, quad, [e], loc=loc, ip=ip)) for e in range(4)]
-
-
-@dsl_user_op
 def ld_global_nc_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """The word at global address `addr`, as ld_global_nc_v4 reads."""
+    """The word at global address `addr`, as fragment_ops.ld_global_v4_b32(streamed=True) reads."""
     return Int32(llvm.inline_asm(
         Int32.mlir_type, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.L1::no_allocate.b32 $0, [$1];", "=r,l",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

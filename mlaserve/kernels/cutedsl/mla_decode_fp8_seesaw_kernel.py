@@ -86,17 +86,7 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
         tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, sPE_layout, (TILE_N, D_PE))
         tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs = seesaw_tiled_mmas(self.dtype)
 
-        @cute.struct
-        class SharedStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_parts * NUM_STAGES * 2]
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            row_max: cute.struct.MemRange[Float32, TILE_M]
-            row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._grid_storage(self.kv_parts * NUM_STAGES * 2, sQ_layout, sKV_layout, sP_layout)
         self.fp8_kernel(tma_q, mQ_tma, tma_pe, mPE_tma, kv_ptr.toint(), mBT, mSeqlens, mOut, mLse, mPO, mPL,
                         s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sP_layout,
                         tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs).launch(
@@ -130,16 +120,7 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
             tx_count=TILE_N * D_PE * 2 if part == self.kv_parts - 1 else 0) for part in range(self.kv_parts))
         kv_pipe = pipes[0] if const_expr(self.kv_parts == 1) else KVParts(pipes)
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=TILE_M * D_QK * 2)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
-        sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2, 2)))     # [row, consumer, item parity]
+        q_pipe, sQ, sKV, sP, sMax, sSum = self._q_pipe_and_smem(storage, sQ_layout, sKV_layout, sP_layout)
         seqlen = mSeqlens[batch]
         start, n_tiles = page_split(seqlen, split, num_splits)
 

@@ -254,16 +254,6 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
         tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs = seesaw_tiled_mmas(self.dtype)
 
         @cute.struct
-        class SharedStorage:
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_barriers]
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            row_max: cute.struct.MemRange[Float32, TILE_M]
-            row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-
-        @cute.struct
         class PersistentStorage:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_barriers]
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
@@ -284,7 +274,7 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
             self.shared_storage = PersistentStorage
             grid = (self.cluster, num_splits, 1)
         else:
-            self.shared_storage = SharedStorage
+            self.shared_storage = self._grid_storage(self.kv_barriers, sQ_layout, sKV_layout, sP_layout)
             grid = (cute.ceil_div(rows, TILE_M), num_splits, batch)
         self.kernel(tma_q, mQ_tma, tma_kv, mKV_tma, mBT, mSeqlens, mOut, mLse, mPO, mPL,
                     s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sP_layout,
@@ -339,16 +329,7 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
                 tx_count=TILE_N * (D_QK // self.kv_parts) * self.dtype.width // 8,
                 cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1))) for part in range(self.kv_parts)]
             kv_pipe = kv_pipes[0] if const_expr(self.kv_parts == 1) else KVParts(tuple(kv_pipes))
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
-            tx_count=TILE_M * D_QK * self.dtype.width // 8)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sKV = storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sMax = storage.row_max.get_tensor(cute.make_layout(TILE_M))
-        sSum = storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2, 2)))     # [row, consumer, item parity]
+        q_pipe, sQ, sKV, sP, sMax, sSum = self._q_pipe_and_smem(storage, sQ_layout, sKV_layout, sP_layout)
         if const_expr(not self.persistent):
             seqlen = mSeqlens[batch]
             start, n_tiles = page_split(seqlen, split, num_splits)
@@ -476,6 +457,40 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
                     q_state.advance()
                     g = g + n_tiles_i
                     item, item_state = next_item(item_pipe, item_state, storage)
+
+    # -- what the grid kernels share (this one and the FP8 seesaw, mla_decode_fp8_seesaw_kernel.py) --
+
+    def _grid_storage(self, kv_barriers: int, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+                      sP_layout: cute.ComposedLayout):
+        """The smem of a grid launch: kv_barriers mbarriers of the KV ring, Q's pair, the row statistics, Q, the
+        ring and P."""
+
+        @cute.struct
+        class SharedStorage:
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, kv_barriers]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            row_max: cute.struct.MemRange[Float32, TILE_M]
+            row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        return SharedStorage
+
+    def _q_pipe_and_smem(self, storage, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+                         sP_layout: cute.ComposedLayout) -> tuple:
+        """Q's TMA pipeline (one stage, the consumers' 8 warps free it) and the smem tensors over `storage`: (q_pipe,
+        sQ, sKV, sP, row maxima, row sums [row, consumer, item parity])."""
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            tx_count=TILE_M * D_QK * self.dtype.width // 8)
+        return (q_pipe, storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+                storage.sKV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner),
+                storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
+                storage.row_max.get_tensor(cute.make_layout(TILE_M)),
+                storage.row_sum.get_tensor(cute.make_layout((TILE_M, 2, 2))))
 
     # -- stream-K launches: a static schedule of balanced slots (mlaserve.kernels.triton.stream_k) --
 
