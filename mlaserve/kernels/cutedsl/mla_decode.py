@@ -227,21 +227,6 @@ FP8_HALF_RING = True
 # page. Not the same bits (the running max is lazy). On an H100 (bench/NOTES.md 125; decode_ab, --sustain-ms 20, on
 # the half ring): b128 h128 / h64 4k 1.062 / 1.068x (False: for A/B runs)
 FP8_ONE_BARRIER = True
-# FP8 KV at more than 32 rows (h64, h128): the 16-bit kernel's seesaw consumers on a ring that a register-path loader
-# fills with each page's bf16 values (mla_decode_fp8_seesaw_kernel.py), in place of the 64-row FP8 kernel. Grid
-# launches, one CTA a row tile. Off: its first loader ran on an H100 at the 64-row kernel's page rate (b128 h64 4k
-# 0.977x, h128 4k 1.074x that kernel; bench/NOTES.md 154), and the loader since (parts, L2 prefetch) has not run on a
-# GPU, its tests (tests/gpu/test_cutedsl_mla.py -k fp8_seesaw) included
-FP8_SEESAW = False
-# its loader: each page handed over in FP8_SEESAW_PARTS column parts (1, 2 or 4; S issued part by part), its global
-# loads FP8_SEESAW_AHEAD column groups (128 columns, 20 registers) ahead of the one it converts (fp8_register_loader.py)
-FP8_SEESAW_PARTS = 2
-FP8_SEESAW_AHEAD = 2
-# ... and whether its warp 0 asks L2 for the bytes of the page after next (a bulk prefetch a page)
-FP8_SEESAW_PREFETCH = True
-# ... and whether its loads run ahead across pages (False: a page's first loads issued at its start, none in flight at
-# the hand-over's proxy fence)
-FP8_SEESAW_CARRY = True
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
@@ -459,15 +444,14 @@ def kv_ring(rows: int) -> tuple[int, bool, int]:
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
             streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False,
-            rows: int = TILE_M, fp8_f16: bool = False, fp8_seesaw: bool = False):
+            rows: int = TILE_M, fp8_f16: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
     `ordered` (grid launches): the grid's request axis through an order of the requests.
     `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it).
     `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8, narrow): the
-    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it). `fp8_seesaw` (FP8, narrow
-    0): the seesaw consumers on the register-path loader's ring (FP8_SEESAW)."""
+    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -485,14 +469,10 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("rank-order",)
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
-    if fp8_seesaw:
-        if not kv_fp8 or narrow:
-            raise ValueError(f"the FP8 seesaw kernel takes FP8 KV at more than 32 rows, got kv_fp8={kv_fp8}, "
-                             f"narrow={narrow}")
-        key += ("fp8-seesaw", f"parts={FP8_SEESAW_PARTS}", f"ahead={FP8_SEESAW_AHEAD}",
-                f"prefetch={FP8_SEESAW_PREFETCH}", f"carry={FP8_SEESAW_CARRY}")
-    elif kv_fp8 and not narrow:
-        key += (("half-ring",) if FP8_HALF_RING else ()) + (("one-barrier",) if FP8_ONE_BARRIER else ())
+    if kv_fp8 and not narrow and FP8_HALF_RING:
+        key += ("half-ring",)
+    if kv_fp8 and not narrow and FP8_ONE_BARRIER:
+        key += ("one-barrier",)
     if fp8_mma:
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
@@ -509,8 +489,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("scalar-io",)
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
-    seesaw = {} if kv_fp8 and not fp8_seesaw else {
-        "lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX, "spec_exp": SPEC_EXP}
+    seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
+                                "spec_exp": SPEC_EXP}
     if not kv_fp8:
         seesaw["kv_parts"], seesaw["kv_split"], seesaw["kv_prefetch"] = kv_ring(rows)
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
@@ -534,14 +514,6 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD,
                                                           vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL,
                                                           ordered=ordered),
-                              *_fp8_pointers((None,) * 8, ordered, split), *scalars)
-        elif fp8_seesaw:
-            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_seesaw_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8SeesawSm90(causal=causal, is_split=split, ordered=ordered,
-                                                          store16=store16, parts=FP8_SEESAW_PARTS,
-                                                          groups_ahead=FP8_SEESAW_AHEAD,
-                                                          prefetch=FP8_SEESAW_PREFETCH, carry=FP8_SEESAW_CARRY,
-                                                          **seesaw),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
@@ -676,7 +648,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
                  traced, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
                  uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits) and not f16_kernel, s_q * h,
-                 f16_kernel, FP8_SEESAW and kv_fp8 and not narrow)
+                 f16_kernel)
     fn(*(_fp8_pointers(addresses, order is not None, split) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk, order is not None, split)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),

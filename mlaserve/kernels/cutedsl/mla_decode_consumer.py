@@ -85,8 +85,7 @@ class SeesawConsumer:
                                       r0, row_m, row_l, acc_o, tiled_mma_pv, tOrPs, tOrV, lazy)
                 # -- c: S = Q K_t^T --
                 if const_expr(self.kv_parts > 1):
-                    issue_mma_by_part(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], kv_pipe.pipes, own,
-                                      self.kv_part_bounds)
+                    issue_mma_by_part(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], kv_pipe.pipes, own)
                 else:
                     kv_pipe.consumer_wait(own)
                     issue_mma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, own.index], True)

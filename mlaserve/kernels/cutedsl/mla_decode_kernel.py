@@ -161,7 +161,6 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
         if kv_parts < 1 or D_QK % (64 * kv_parts):
             raise ValueError(f"kv_parts must split the {D_QK} columns into whole 64-column blocks, got {kv_parts}")
         self.kv_parts = kv_parts
-        self.kv_part_bounds = None      # S's k-blocks a part: equal (issue_mma_by_part); the FP8 seesaw sets its own
         # each page as its rope columns and V's two halves, each freed by the consumer that reads it last, and S(t)
         # issued before the wait for the other consumer's P(t-1) (mla_decode.KV_SPLIT); loads 64-column pieces
         self.kv_split = kv_split
@@ -458,7 +457,7 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
                     g = g + n_tiles_i
                     item, item_state = next_item(item_pipe, item_state, storage)
 
-    # -- what the grid kernels share (this one and the FP8 seesaw, mla_decode_fp8_seesaw_kernel.py) --
+    # -- the grid launch's smem and Q pipeline --
 
     def _grid_storage(self, kv_barriers: int, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                       sP_layout: cute.ComposedLayout):

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.split_consumers import (LAZY_RESCALE_LOG2, exp_p, fold_row_max, move_row_max,
@@ -212,20 +212,17 @@ def issue_k_blocks(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
 
 @cute.jit
 def issue_mma_by_part(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, pipes: tuple,
-                      st: pipeline.PipelineState, bounds: cutlass.Constexpr = None):
+                      st: pipeline.PipelineState):
     """acc = A B as issue_mma(zero_init=True) does, the k-blocks in the same order, but each column part's k-blocks
     issued once that part's load has landed (pipes[p].consumer_wait): the first parts' wgmmas run while the later
-    parts load. One committed group, not waited for. `bounds`: part p's k-blocks are bounds[p] .. bounds[p + 1] - 1
-    (None: equal parts)."""
+    parts load. One committed group, not waited for."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)
-    if const_expr(bounds is None):
-        per_part = cute.size(tCrA.shape[2]) // len(pipes)
-        bounds = tuple(part * per_part for part in range(len(pipes) + 1))
+    per_part = cute.size(tCrA.shape[2]) // len(pipes)
     for part in cutlass.range_constexpr(len(pipes)):
         pipes[part].consumer_wait(st)
-        for k in cutlass.range_constexpr(bounds[part], bounds[part + 1]):
+        for k in cutlass.range_constexpr(part * per_part, (part + 1) * per_part):
             cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
