@@ -298,7 +298,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=None,
                     help="with --fp8 --bench-only: these s_q x h instead, e.g. 1x64,1x128,2x64")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a bool or int value of the CuTe DSL's mla_decode module, e.g. FP8_HALF_RING=0; repeatable")
+                    help="a bool or int value of the CuTe DSL's mla_decode module, e.g. FP8_SEESAW=0; repeatable")
     args = ap.parse_args()
     for item in args.set:
         set_module_value(cd.__name__, item)

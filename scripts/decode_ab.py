@@ -31,6 +31,9 @@ switches, read at launch (so captured with each graph):
                  against consumer 0 all of it
   FP8_F16_GROUP_S  cutedsl: the 16-row f16-register FP8 kernel's S^T by scale group from the exact e4m3 values,
                  the scales applied to the groups' accumulators in fp32, against each K value scaled in f16
+  FP8_SEESAW     cutedsl: FP8 at more than 32 rows on the 16-bit kernel's seesaw consumers, their ring filled by a
+                 register-path loader, against the 64-row FP8 kernel
+  FP8_SEESAW_PREFETCH  cutedsl: that loader asking L2 for the page after next against not (with --set FP8_SEESAW=1)
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
@@ -257,6 +260,8 @@ SWITCHES = {
     "FP8_EARLY_START": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_EARLY_START")),
     "FP8_SPLIT_EPILOGUE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SPLIT_EPILOGUE")),
     "FP8_F16_GROUP_S": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_GROUP_S")),
+    "FP8_SEESAW": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW")),
+    "FP8_SEESAW_PREFETCH": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_PREFETCH")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
     "SPARSE_LAZY_RESCALE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "LAZY_RESCALE")),

@@ -29,6 +29,14 @@ def test_16bit_kinds_compile_for_the_rows_they_name(monkeypatch, kind, split, ro
     assert {k: got.get(k, False) for k in want} == want
 
 
+def test_fp8_seesaw_kind_compiles_the_seesaw_on_fp8_pages(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cd, "_kernel", lambda dtype, causal, split, **kw: calls.append(dict(split=split, **kw)))
+    cutedsl_sass.compile_kernel("fp8-seesaw", True, [])
+    (got,) = calls
+    assert got["kv_fp8"] and got["fp8_seesaw"] and got["split"] and not got.get("narrow")
+
+
 def test_bf16_pairs_refuses_a_split():
     with pytest.raises(SystemExit, match="unsplit only"):
         cutedsl_sass.compile_kernel("bf16-pairs", True, [])

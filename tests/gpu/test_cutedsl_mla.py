@@ -432,6 +432,7 @@ def test_ordered_grids_equal_batch_order(monkeypatch, b, h, s_q, fp8, fp8_mma, s
 def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h, num_splits):
     """The 64-row FP8 kernel's 16-byte stores (of O or the fp32 split partials): the same bits as its
     value-by-value stores (80 rows: a full block, then a partial one)."""
+    monkeypatch.setattr(cd, "FP8_SEESAW", False)
     lens = [1 + (389 * i) % 1500 for i in range(b)]
     q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
     out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
@@ -456,6 +457,7 @@ def test_fp8_half_ring_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, c
     one token, page edges, 0xFF-poisoned unused slots), and the same bits as the whole-tile ring: the same values in
     the same wgmma k-step order."""
     q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=b + h + s_q)
+    monkeypatch.setattr(cd, "FP8_SEESAW", False)
     monkeypatch.setattr(cd, "FP8_HALF_RING", False)
     out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     monkeypatch.setattr(cd, "FP8_HALF_RING", True)
@@ -481,6 +483,7 @@ def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, num_splits, c
     and close to the two-barrier kernel (the running max is lazy: the same P up to rounding)."""
     q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=5 * b + h + s_q + int(q_gain))
     q = q * q_gain
+    monkeypatch.setattr(cd, "FP8_SEESAW", False)
     monkeypatch.setattr(cd, "FP8_ONE_BARRIER", False)
     out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     monkeypatch.setattr(cd, "FP8_ONE_BARRIER", True)
@@ -491,6 +494,47 @@ def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, num_splits, c
         assert ok, f"half_ring={half_ring}: max abs err {max_err:.2e}: {why}"
         torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b, s_q, h, num_splits, causal, q_gain", [
+    (8, 1, 128, 1, True, 1.0),      # two row blocks a request
+    (8, 1, 128, 1, True, 4.0),      # logits 4x as wide: the lazy max's slow path
+    (5, 1, 80, 1, True, 1.0),       # a full block, then a partial one
+    (6, 2, 64, 1, True, 1.0),       # s_q 2: causal among the new tokens
+    (3, 3, 64, 1, False, 4.0),      # s_q 3, not causal
+    (4, 1, 128, 4, True, 1.0),      # split partials, splits past a request's end
+    (150, 1, 64, 1, True, 1.0),     # more CTAs than SMs: the grid in longest-first order
+])
+def test_fp8_seesaw_matches_reference(monkeypatch, b, s_q, h, num_splits, causal, q_gain):
+    """mla_decode.FP8_SEESAW (FP8 pages through the register-path loader into the seesaw consumers' bf16 ring): within
+    the reference's tolerances on ragged lengths (an empty request, one token, page edges, 0xFF-poisoned unused slots),
+    and close to the 64-row FP8 kernel, which reads the same bf16 values."""
+    q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=7 * b + h + s_q + int(q_gain))
+    q = q * q_gain
+    monkeypatch.setattr(cd, "FP8_SEESAW", False)
+    out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    monkeypatch.setattr(cd, "FP8_SEESAW", True)
+    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
+    ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, causal)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lens, s_q, h, num_splits", [
+    ([8192] * 4, 1, 64, 1),                        # 128 pages a CTA: every stage and register group reused
+    ([1, 2, 63, 64, 65, 4096] + [1 + (389 * i) % 4096 for i in range(58)], 1, 128, None),
+    ([3000, 17, 64, 2000], 2, 64, 3),              # s_q 2, split partials
+    ([4100, 4033], 1, 96, None),                   # 96 rows: a full row block and a half one
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
+def test_fp8_seesaw_long_requests_match_reference(monkeypatch, lens, s_q, h, num_splits):
+    """mla_decode.FP8_SEESAW on requests of many pages (the loader's loads run across pages, a request's last pages
+    partial): within the reference's tolerances."""
+    q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + h)
+    monkeypatch.setattr(cd, "FP8_SEESAW", True)
+    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
+    ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, True)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])
@@ -536,6 +580,15 @@ def test_fp8_matches_reference(case):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("case", [c for c in check.fp8_cases(quick=False) if c["s_q"] * c["h"] > 32],
+                         ids=lambda c: f"fp8-b{len(c['lens'])}-sq{c['s_q']}-h{c['h']}"
+                                       f"-causal{c['causal']}-splits{c.get('num_splits')}")
+def test_fp8_seesaw_matches_reference_on_the_check_shapes(monkeypatch, case):
+    """test_fp8_matches_reference's shapes of more than 32 rows on mla_decode.FP8_SEESAW."""
+    monkeypatch.setattr(cd, "FP8_SEESAW", True)
+    test_fp8_matches_reference(case)
+
+
 def _fp8_mma_for_every_split(monkeypatch):
     """The FP8-MMA kernel for every FP8 step of <= 16 rows, however short its splits (mla_decode.uses_fp8_mma), and
     not the f16-register kernel that takes the long ones by default (FP8_F16)."""
@@ -544,9 +597,12 @@ def _fp8_mma_for_every_split(monkeypatch):
                         kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
 
 
-@pytest.mark.parametrize("s_q, h, fp8_mma", [(2, 64, False), (1, 16, True)])
-def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma):
-    """A captured FP8 step (the 64-row kernel; the FP8-MMA one, taken for every split, against the exact entries)."""
+@pytest.mark.parametrize("s_q, h, fp8_mma, seesaw", [(2, 64, False, False), (1, 16, True, False),
+                                                   (1, 128, False, True)], ids=["w64", "fp8_mma", "fp8_seesaw"])
+def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma, seesaw):
+    """A captured FP8 step (the 64-row kernel; the FP8-MMA one, taken for every split, against the exact entries; the
+    seesaw on the register-path loader, FP8_SEESAW)."""
+    monkeypatch.setattr(cd, "FP8_SEESAW", seesaw)
     if fp8_mma:
         _fp8_mma_for_every_split(monkeypatch)
     b = 4

@@ -52,12 +52,13 @@ def prmt(a: Int32, b: Int32, sel: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def ld_global_v4_b32(addr: cutlass.Int64, *, loc=None, ip=None) -> list:
-    """The 16 bytes at global address `addr` (16-byte aligned) as 4 words, through the read-only path."""
+def ld_global_v4_b32(addr: cutlass.Int64, streamed: bool = False, *, loc=None, ip=None) -> list:
+    """The 16 bytes at global address `addr` (16-byte aligned) as 4 words, through the read-only path. `streamed`:
+    not kept in L1, and left by LLVM where the caller issues it (fp8_register_loader's loads run ahead of their use)."""
     quad = llvm.inline_asm(
         llvm.StructType.get_literal([Int32.mlir_type] * 4), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        f"ld.global.nc{'.L1::no_allocate' if streamed else ''}.v4.b32 {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l",
+        has_side_effects=streamed, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [Int32(llvm.extractvalue(Int32.mlir_type, quad, [e], loc=loc, ip=ip)) for e in range(4)]
 
 

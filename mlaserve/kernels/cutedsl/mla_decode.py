@@ -227,6 +227,18 @@ FP8_HALF_RING = True
 # page. Not the same bits (the running max is lazy). On an H100 (bench/NOTES.md 125; decode_ab, --sustain-ms 20, on
 # the half ring): b128 h128 / h64 4k 1.062 / 1.068x (False: for A/B runs)
 FP8_ONE_BARRIER = True
+# FP8 KV at more than 32 rows (h64, h128): the 16-bit kernel's seesaw consumers on a ring that a register-path loader
+# fills with each page's bf16 values (mla_decode_fp8_seesaw_kernel.py), in place of the 64-row FP8 kernel. Grid
+# launches, one CTA a row tile. On an H100 (bench/NOTES.md 156; decode_ab off/on, --sustain-ms 20, b128): h64 4k /
+# 16k / 32k 1.059 / 1.145 / 1.113x, h128 4k / 16k 1.109 / 1.118x, s_q2 h64 / h128 4k 1.106 / 1.130x, b16 h128 32k
+# (split) 1.150x the 64-row kernel (False: that kernel, for A/B runs)
+FP8_SEESAW = True
+# its loader's global loads: groups of FP8_SEESAW_GROUP_ROWS rows a warp, FP8_SEESAW_AHEAD groups ahead of the one it
+# converts (5 registers a row: fp8_register_loader.py)
+FP8_SEESAW_GROUP_ROWS = 4
+FP8_SEESAW_AHEAD = 3
+# ... and whether its warp 0 asks L2 for the bytes of the page after next (a bulk prefetch a page)
+FP8_SEESAW_PREFETCH = True
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
@@ -444,14 +456,15 @@ def kv_ring(rows: int) -> tuple[int, bool, int]:
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
             streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False,
-            rows: int = TILE_M, fp8_f16: bool = False):
+            rows: int = TILE_M, fp8_f16: bool = False, fp8_seesaw: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
     16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
     unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
     `ordered` (grid launches): the grid's request axis through an order of the requests.
     `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it).
     `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8, narrow): the
-    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it)."""
+    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it). `fp8_seesaw` (FP8, narrow
+    0): the seesaw consumers on the register-path loader's ring (FP8_SEESAW)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -469,10 +482,13 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("rank-order",)
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
-    if kv_fp8 and not narrow and FP8_HALF_RING:
-        key += ("half-ring",)
-    if kv_fp8 and not narrow and FP8_ONE_BARRIER:
-        key += ("one-barrier",)
+    if fp8_seesaw:
+        if not kv_fp8 or narrow:
+            raise ValueError(f"the FP8 seesaw kernel takes FP8 KV at more than 32 rows, got kv_fp8={kv_fp8}, "
+                             f"narrow={narrow}")
+        key += ("fp8-seesaw", f"groups={FP8_SEESAW_GROUP_ROWS}x{FP8_SEESAW_AHEAD}", f"prefetch={FP8_SEESAW_PREFETCH}")
+    elif kv_fp8 and not narrow:
+        key += (("half-ring",) if FP8_HALF_RING else ()) + (("one-barrier",) if FP8_ONE_BARRIER else ())
     if fp8_mma:
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
@@ -489,8 +505,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("scalar-io",)
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
-    seesaw = {} if kv_fp8 else {"lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX,
-                                "spec_exp": SPEC_EXP}
+    seesaw = {} if kv_fp8 and not fp8_seesaw else {
+        "lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX, "spec_exp": SPEC_EXP}
     if not kv_fp8:
         seesaw["kv_parts"], seesaw["kv_split"], seesaw["kv_prefetch"] = kv_ring(rows)
     key += tuple(f"{name}={value}" for name, value in seesaw.items() if value)
@@ -514,6 +530,13 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             fn = cute.compile(kmod.MLADecodeFP8MmaSm90(causal=causal, is_split=split, bt_ahead=BT_AHEAD,
                                                           vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL,
                                                           ordered=ordered),
+                              *_fp8_pointers((None,) * 8, ordered, split), *scalars)
+        elif fp8_seesaw:
+            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_seesaw_kernel")
+            fn = cute.compile(kmod.MLADecodeFP8SeesawSm90(causal=causal, is_split=split, ordered=ordered,
+                                                          store16=store16, group_rows=FP8_SEESAW_GROUP_ROWS,
+                                                          groups_ahead=FP8_SEESAW_AHEAD,
+                                                          prefetch=FP8_SEESAW_PREFETCH, **seesaw),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")
@@ -648,7 +671,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
                  traced, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
                  uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits) and not f16_kernel, s_q * h,
-                 f16_kernel)
+                 f16_kernel, FP8_SEESAW and kv_fp8 and not narrow)
     fn(*(_fp8_pointers(addresses, order is not None, split) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk, order is not None, split)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),
