@@ -17,7 +17,8 @@ with any s_q and h, KV in q's dtype [pages, 64, 576] or, with bf16 q, the FP8 fo
 [pages, 64, 656] (at most 32 query rows a request with splits of >= 48 pages: the bytes turned into f16 in
 registers, mla_decode_fp8_f16_kernel.py, keys on wgmma's M side; shorter splits: FP8 wgmma on the e4m3 bytes
 at <= 16 rows when FP8_F16 is off, mla_decode_fp8_mma_kernel.py, else dequantized to bf16 in smem,
-mla_decode_fp8_narrow_kernel.py; mla_decode_fp8_kernel.py for more rows), head_dim_v 512.
+mla_decode_fp8_narrow_kernel.py; for more rows the bf16 seesaw consumers on a ring a loader warpgroup fills from
+registers, mla_decode_fp8_seesaw_kernel.py, or with FP8_SEESAW off mla_decode_fp8_kernel.py), head_dim_v 512.
 `nvidia-cutlass-dsl` is imported on the first launch only: checks and plans work without it.
 """
 
