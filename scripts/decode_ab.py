@@ -33,7 +33,8 @@ switches, read at launch (so captured with each graph):
                  the scales applied to the groups' accumulators in fp32, against each K value scaled in f16
   FP8_SEESAW     cutedsl: FP8 at more than 32 rows on the 16-bit kernel's seesaw consumers, their ring filled by a
                  register-path loader, against the 64-row FP8 kernel
-  FP8_SEESAW_PREFETCH  cutedsl: that loader asking L2 for the page after next against not (with --set FP8_SEESAW=1)
+  FP8_SEESAW_PREFETCH  cutedsl: that loader asking L2 for the page after next against not (the seesaw on, as by
+                 default)
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)

@@ -457,7 +457,7 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
                     g = g + n_tiles_i
                     item, item_state = next_item(item_pipe, item_state, storage)
 
-    # -- the grid launch's smem and Q pipeline --
+    # -- what the grid kernels share (this one and the FP8 seesaw, mla_decode_fp8_seesaw_kernel.py) --
 
     def _grid_storage(self, kv_barriers: int, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                       sP_layout: cute.ComposedLayout):
