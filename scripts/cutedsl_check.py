@@ -157,7 +157,7 @@ def sweep_clusters() -> None:
 # (the small-batch split-count sweep is scripts/split_sweep.py, for this kernel and the Triton one)
 
 
-# -- FP8 KV (uint8 [pages, 64, 656]): the kernel in mla_decode_fp8_kernel.py --
+# -- FP8 KV (uint8 [pages, 64, 656]): the mla_decode_fp8_*_kernel.py kernels --
 
 def make_fp8_case(lens, s_q, h, seed):
     """make_case's inputs with the cache quantized (ops.quantize_kv_fp8) and every unused slot's 656 bytes
@@ -298,7 +298,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=None,
                     help="with --fp8 --bench-only: these s_q x h instead, e.g. 1x64,1x128,2x64")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a bool or int value of the CuTe DSL's mla_decode module, e.g. FP8_SEESAW=0; repeatable")
+                    help="a bool or int value of the CuTe DSL's mla_decode module, e.g. FP8_SEESAW_AHEAD=2; repeatable")
     args = ap.parse_args()
     for item in args.set:
         set_module_value(cd.__name__, item)

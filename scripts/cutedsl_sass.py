@@ -6,7 +6,7 @@ a wait or a fence). A kernel change is checked here before device time is spent 
     python scripts/cutedsl_sass.py fp8mma [--split] [--flag FP8_MMA_VEC_IO=0 ...] [--out DIR] [--ops FILE]
     kinds: bf16 (the 16-bit grid kernel, 64 rows a request unless --rows says more: then clusters as mla_decode
     launches them), bf16-pairs (the persistent ticket launch of 2-CTA clusters that 128 rows a request take, or
-    --rows), fp8mma, n16, n32, w64, fp8-seesaw, f16-16, f16-32 (the FP8 decode kernels), sparse, sparse-fp8
+    --rows), fp8mma, n16, n32, fp8-seesaw, f16-16, f16-32 (the FP8 decode kernels), sparse, sparse-fp8
 
 --flag sets an mla_decode module flag (sparse_mla's for the sparse kinds) before compiling; --ops writes the
 kernel's instructions without addresses and encodings, so that two builds compare with `cmp` (a refactor that
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mlaserve.bench.switches import set_module_value  # noqa: E402
 
-KINDS = ("bf16", "bf16-pairs", "fp8mma", "n16", "n32", "w64", "fp8-seesaw", "sparse", "sparse-fp8", "f16-16", "f16-32")
+KINDS = ("bf16", "bf16-pairs", "fp8mma", "n16", "n32", "fp8-seesaw", "sparse", "sparse-fp8", "f16-16", "f16-32")
 INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);", re.M)
 
 
@@ -51,9 +51,9 @@ def compile_kernel(kind: str, split: bool, flags: list[str], ordered: bool = Fal
         mod._kernel(torch.bfloat16, True, False, cluster=2, persistent=True, store16=mod.STORE_16B,
                     early_sums=mod.EARLY_SUMS, rank_order=mod.RANK_ORDER, rows=rows or 2 * mod.TILE_M)
     elif kind == "fp8-seesaw":
-        mod._kernel(torch.bfloat16, True, split, kv_fp8=True, ordered=ordered, store16=mod.STORE_16B, fp8_seesaw=True)
+        mod._kernel(torch.bfloat16, True, split, kv_fp8=True, ordered=ordered, store16=mod.STORE_16B)
     else:
-        narrow = {"fp8mma": 16, "n16": 16, "n32": 32, "w64": 0, "f16-16": 16, "f16-32": 32}[kind]
+        narrow = {"fp8mma": 16, "n16": 16, "n32": 32, "f16-16": 16, "f16-32": 32}[kind]
         mod._kernel(torch.bfloat16, True, split, kv_fp8=True, narrow=narrow, fp8_mma=kind == "fp8mma", ordered=ordered,
                     fp8_f16=kind.startswith("f16"))
 

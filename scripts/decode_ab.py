@@ -31,12 +31,10 @@ switches, read at launch (so captured with each graph):
                  against consumer 0 all of it
   FP8_F16_GROUP_S  cutedsl: the 16-row f16-register FP8 kernel's S^T by scale group from the exact e4m3 values,
                  the scales applied to the groups' accumulators in fp32, against each K value scaled in f16
-  FP8_SEESAW     cutedsl: FP8 at more than 32 rows on the 16-bit kernel's seesaw consumers, their ring filled by a
-                 register-path loader, against the 64-row FP8 kernel
-  FP8_SEESAW_PREFETCH  cutedsl: that loader asking L2 for the page after next against not (the seesaw on, as by
-                 default)
+  FP8_SEESAW_PREFETCH  cutedsl: FP8 at more than 32 rows (the seesaw's register-path loader) asking L2 for the page
+                 after next against not
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
-                 4-byte pairs (bf16 KV) or value-by-value stores (the 64-row FP8 kernel)
+                 4-byte pairs (bf16 KV, and FP8 at more than 32 rows)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)
   SPARSE_LAZY_RESCALE, SPARSE_TREE_MAX  cutedsl sparse MLA, 16-bit KV (sparse shapes): the seesaw kernel's
                     LAZY_RESCALE / TREE_MAX below, each against off
@@ -66,7 +64,7 @@ switches, read at launch (so captured with each graph):
                     lengths (two splits where they balance a one-wave grid; mla_decode.BALANCE_SPLITS_MAX_ROWS)
                     against from shapes only
   GRID_ORDER_ALL    cutedsl: every grid of more than one wave (the 16-bit grid, the keys-on-M and FP8-MMA kernels,
-                    split grids) takes its requests longest first against only the 64-row FP8 kernel's unsplit ones
+                    split grids) takes its requests longest first against only the FP8 seesaw's unsplit ones
   BALANCED_ORDERED  cutedsl: CUTEDSL_BALANCED_SPLITS and GRID_ORDER_ALL together against neither
   KV_PARTS          cutedsl: the 16-bit kernel's pages as $DA_KV_PARTS (default 3) column parts with a full barrier
                     each, S issued part by part as they land, against one barrier a page
@@ -77,12 +75,10 @@ switches, read at launch (so captured with each graph):
   KV_PREFETCH       cutedsl: the 16-bit kernel's producer prefetches the page $DA_KV_PREFETCH - 1 tiles (default 2:
                     the next page) ahead of the one whose stage it waits for into L2, on either ring (mla_decode.
                     KV_PREFETCH and KV_PARTS_PREFETCH), against no prefetch on either
-  FP8_HALF_RING     cutedsl: FP8 KV at more than 32 rows (the 64-row FP8 kernel), the bf16 tile as three column-half
+  SPARSE_FP8_HALF_RING  cutedsl sparse MLA, the FP8 cache (sparse shapes): the bf16 tile as three column-half
                     slots with one raw stage, against one whole tile with two raw stages
-  SPARSE_FP8_HALF_RING  cutedsl sparse MLA, the FP8 cache (sparse shapes): the same ring in its kernel
-  FP8_ONE_BARRIER   cutedsl: the 64-row FP8 kernel's consumers meeting once a page where no row's max rises
-                    (split_consumers.one_barrier_p) against twice every page
-  SPARSE_FP8_ONE_BARRIER  cutedsl sparse MLA, the FP8 cache (sparse shapes): the same in its kernel
+  SPARSE_FP8_ONE_BARRIER  cutedsl sparse MLA, the FP8 cache (sparse shapes): the consumers meeting once a tile where
+                    no row's max rises (split_consumers.one_barrier_p) against twice every tile
   FP8_F16           cutedsl: FP8 KV at <= 32 rows, the pages' bytes multiplied as f16 in registers
                     (mla_decode_fp8_f16_kernel.py) against the FP8-MMA and bf16-tile kernels
   TRITON_FP8_MMA_MIN_PAGES  triton: the FP8-MMA kernel from $DA_FP8_MMA_MIN_PAGES (default 8) pages unsplit (runs of
@@ -261,7 +257,6 @@ SWITCHES = {
     "FP8_EARLY_START": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_EARLY_START")),
     "FP8_SPLIT_EPILOGUE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SPLIT_EPILOGUE")),
     "FP8_F16_GROUP_S": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_GROUP_S")),
-    "FP8_SEESAW": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW")),
     "FP8_SEESAW_PREFETCH": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_PREFETCH")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),
     "SPARSE_STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "STORE_16B")),
@@ -290,9 +285,7 @@ SWITCHES = {
     "KV_PARTS": ("cutedsl", _kv_parts),
     "KV_SPLIT": ("cutedsl", _kv_split),
     "KV_PREFETCH": ("cutedsl", _kv_prefetch),
-    "FP8_HALF_RING": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_HALF_RING")),
     "SPARSE_FP8_HALF_RING": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "FP8_HALF_RING")),
-    "FP8_ONE_BARRIER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_ONE_BARRIER")),
     "SPARSE_FP8_ONE_BARRIER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.sparse_mla", "FP8_ONE_BARRIER")),
     "FP8_F16": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16")),
     "NARROW_PIPE_S": ("triton", _module_flag("mlaserve.kernels.triton.mla_decode_gluon_narrow", "PIPE_S")),

@@ -101,14 +101,6 @@ def test_fp8_requests_of_few_rows_take_the_keys_on_m_kernel(rows, want):
     assert cd.fp8_narrow_cols(rows) == want
 
 
-@pytest.mark.parametrize("kv_fp8, narrow", [(False, 0), (True, 16), (True, 32)])
-def test_fp8_seesaw_kernel_only_for_fp8_pages_of_more_than_32_rows(kv_fp8, narrow):
-    """The seesaw on the register-path loader takes FP8 pages at the 64-row kernels' row counts; asked for anything
-    else it says so before the DSL is imported."""
-    with pytest.raises(ValueError, match="FP8 seesaw kernel takes FP8 KV at more than 32 rows"):
-        cd._kernel(torch.bfloat16, True, False, kv_fp8=kv_fp8, narrow=narrow, fp8_seesaw=True)
-
-
 @pytest.mark.parametrize("rows, max_pages, num_splits, want", [
     (16, 128, 1, True), (16, 96, 2, True), (8, 768, 16, True),     # splits of >= 48 pages at <= 16 rows
     (16, 512, 11, False), (16, 47, 1, False), (16, 32, 1, False),  # shorter splits: the bf16-tile kernel

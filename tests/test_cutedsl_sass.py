@@ -34,7 +34,8 @@ def test_fp8_seesaw_kind_compiles_the_seesaw_on_fp8_pages(monkeypatch):
     monkeypatch.setattr(cd, "_kernel", lambda dtype, causal, split, **kw: calls.append(dict(split=split, **kw)))
     cutedsl_sass.compile_kernel("fp8-seesaw", True, [])
     (got,) = calls
-    assert got["kv_fp8"] and got["fp8_seesaw"] and got["split"] and not got.get("narrow")
+    assert got["kv_fp8"] and got["split"] and not got.get("narrow") and not got.get("fp8_mma") \
+        and not got.get("fp8_f16")
 
 
 def test_bf16_pairs_refuses_a_split():

@@ -363,9 +363,9 @@ def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
     """mla_decode.BALANCE_SPLITS_MAX_ROWS (64 here): a one-wave step of <= 64-row requests of varied lengths
     (4096 +- 50%), planned with its host lengths, runs as two splits a request (the 16-bit kernels, the f16-register
-    FP8 kernel and the 64-row FP8 kernel, split), NaN-poisoned unused slots: within the reference's tolerances.
+    FP8 kernel and the FP8 seesaw, split), NaN-poisoned unused slots: within the reference's tolerances.
     FP8: the reference on the values each kernel multiplies, the cache's exact entries where the f16-register kernel
-    runs (it rounds each e4m3 * scale to f16), else the entries dequantized to bf16 (the 64-row kernel's tile). At
+    runs (it rounds each e4m3 * scale to f16), else the entries dequantized to bf16 (the seesaw's ring). At
     h16 s_q2 the two references differ by more than the tolerance at 2 of 2 M outputs (bench/NOTES.md 134)."""
     monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64)
     b = min(128, torch.cuda.get_device_properties(0).multi_processor_count)
@@ -396,7 +396,7 @@ def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
 def test_ordered_grids_equal_batch_order(monkeypatch, b, h, s_q, fp8, fp8_mma, split):
     """mla_decode.GRID_ORDER_ALL: grids of more than one wave (split in two by the host lengths, or more requests
     than SMs; 16-bit KV takes persistent launches there) take their requests longest first, the order in lse's place
-    (split) or partial out's: the 16-bit grid, the FP8-MMA, keys-on-M (n 16, 32) and 64-row FP8 kernels. Varied
+    (split) or partial out's: the 16-bit grid, the FP8-MMA, keys-on-M (n 16, 32) and FP8 seesaw kernels. Varied
     lengths (empty and one-token requests among them), NaN-poisoned slots: the reference's tolerances, and the bits
     of the launch in batch order."""
     monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64 if split else 0)
@@ -430,9 +430,8 @@ def test_ordered_grids_equal_batch_order(monkeypatch, b, h, s_q, fp8, fp8_mma, s
 
 @pytest.mark.parametrize("b, s_q, h, num_splits", [(8, 1, 128, 1), (5, 1, 80, 1), (4, 1, 128, 4), (3, 1, 80, 3)])
 def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h, num_splits):
-    """The 64-row FP8 kernel's 16-byte stores (of O or the fp32 split partials): the same bits as its
-    value-by-value stores (80 rows: a full block, then a partial one)."""
-    monkeypatch.setattr(cd, "FP8_SEESAW", False)
+    """The FP8 seesaw's 16-byte stores (of O or the fp32 split partials): the same bits as its pairs
+    (80 rows: a full block, then a partial one)."""
     lens = [1 + (389 * i) % 1500 for i in range(b)]
     q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=b + h)
     out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
@@ -441,59 +440,6 @@ def test_fp8_16_byte_stores_equal_value_stores(monkeypatch, b, s_q, h, num_split
     assert torch.equal(out, out1) and torch.equal(lse, lse1)
     ok, max_err, why = check.compare(out, lse, *check.fp8_reference(q, packed, table, seqlens))
     assert ok, f"max abs err {max_err:.2e}: {why}"
-
-
-@pytest.mark.parametrize("b, s_q, h, num_splits, causal", [
-    (8, 1, 128, 1, True),       # two row blocks a request
-    (5, 1, 80, 1, True),        # a full block, then a partial one
-    (6, 2, 64, 1, True),        # s_q 2: causal among the new tokens
-    (3, 3, 64, 1, False),       # s_q 3, not causal
-    (4, 1, 128, 4, True),       # split partials
-    (150, 1, 64, 1, True),      # more CTAs than SMs
-])
-def test_fp8_half_ring_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, causal):
-    """mla_decode.FP8_HALF_RING (the 64-row FP8 kernel's bf16 tile as three column-half slots, one raw stage, k_pe
-    by the consumers' TMA two pages ahead): within the reference's tolerances on ragged lengths (an empty request,
-    one token, page edges, 0xFF-poisoned unused slots), and the same bits as the whole-tile ring: the same values in
-    the same wgmma k-step order."""
-    q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=b + h + s_q)
-    monkeypatch.setattr(cd, "FP8_SEESAW", False)
-    monkeypatch.setattr(cd, "FP8_HALF_RING", False)
-    out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
-    monkeypatch.setattr(cd, "FP8_HALF_RING", True)
-    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
-    ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, causal)
-    assert ok, f"max abs err {max_err:.2e}: {why}"
-    assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_HALF_RING changed the bits"
-
-
-@pytest.mark.parametrize("b, s_q, h, num_splits, causal, q_gain", [
-    (8, 1, 128, 1, True, 1.0),      # two row blocks a request
-    (8, 1, 128, 1, True, 4.0),      # logits 4x as wide: maxima rise by > 2^8 after the first page (the slow path)
-    (5, 1, 80, 1, True, 4.0),       # a full block, then a partial one
-    (6, 2, 64, 1, True, 1.0),       # s_q 2: causal among the new tokens (rows with no key on masked pages)
-    (3, 3, 64, 1, False, 4.0),      # s_q 3, not causal
-    (4, 1, 128, 4, True, 4.0),      # split partials
-    (150, 1, 64, 1, True, 1.0),     # more CTAs than SMs
-])
-def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, num_splits, causal, q_gain):
-    """mla_decode.FP8_ONE_BARRIER (the 64-row FP8 kernel's consumers meeting once a page, on P, where no row's max
-    rises by more than 2^8; both barriers where one does), on the half ring and on the whole tile: within the
-    reference's tolerances on ragged lengths (an empty request, one token, page edges, 0xFF-poisoned unused slots),
-    and close to the two-barrier kernel (the running max is lazy: the same P up to rounding)."""
-    q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=5 * b + h + s_q + int(q_gain))
-    q = q * q_gain
-    monkeypatch.setattr(cd, "FP8_SEESAW", False)
-    monkeypatch.setattr(cd, "FP8_ONE_BARRIER", False)
-    out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
-    monkeypatch.setattr(cd, "FP8_ONE_BARRIER", True)
-    for half_ring in (True, False):
-        monkeypatch.setattr(cd, "FP8_HALF_RING", half_ring)
-        out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
-        ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, causal)
-        assert ok, f"half_ring={half_ring}: max abs err {max_err:.2e}: {why}"
-        torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("b, s_q, h, num_splits, causal, q_gain", [
@@ -505,20 +451,14 @@ def test_fp8_one_barrier_matches_reference(monkeypatch, b, s_q, h, num_splits, c
     (4, 1, 128, 4, True, 1.0),      # split partials, splits past a request's end
     (150, 1, 64, 1, True, 1.0),     # more CTAs than SMs: the grid in longest-first order
 ])
-def test_fp8_seesaw_matches_reference(monkeypatch, b, s_q, h, num_splits, causal, q_gain):
-    """mla_decode.FP8_SEESAW (FP8 pages through the register-path loader into the seesaw consumers' bf16 ring): within
-    the reference's tolerances on ragged lengths (an empty request, one token, page edges, 0xFF-poisoned unused slots),
-    and close to the 64-row FP8 kernel, which reads the same bf16 values."""
+def test_fp8_seesaw_matches_reference(b, s_q, h, num_splits, causal, q_gain):
+    """The FP8 seesaw (FP8 pages through the register-path loader into the seesaw consumers' bf16 ring): within the
+    reference's tolerances on ragged lengths (an empty request, one token, page edges, 0xFF-poisoned unused slots)."""
     q, packed, table, seqlens = check.make_fp8_case(_ragged_lens(b), s_q, h, seed=7 * b + h + s_q + int(q_gain))
     q = q * q_gain
-    monkeypatch.setattr(cd, "FP8_SEESAW", False)
-    out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
-    monkeypatch.setattr(cd, "FP8_SEESAW", True)
     out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, causal=causal, num_splits=num_splits)
     ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, causal)
     assert ok, f"max abs err {max_err:.2e}: {why}"
-    torch.testing.assert_close(out.float(), out0.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("lens, s_q, h, num_splits", [
@@ -527,11 +467,10 @@ def test_fp8_seesaw_matches_reference(monkeypatch, b, s_q, h, num_splits, causal
     ([3000, 17, 64, 2000], 2, 64, 3),              # s_q 2, split partials
     ([4100, 4033], 1, 96, None),                   # 96 rows: a full row block and a half one
 ], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
-def test_fp8_seesaw_long_requests_match_reference(monkeypatch, lens, s_q, h, num_splits):
-    """mla_decode.FP8_SEESAW on requests of many pages (the loader's loads run across pages, a request's last pages
+def test_fp8_seesaw_long_requests_match_reference(lens, s_q, h, num_splits):
+    """The FP8 seesaw on requests of many pages (the loader's loads run across pages, a request's last pages
     partial): within the reference's tolerances."""
     q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + h)
-    monkeypatch.setattr(cd, "FP8_SEESAW", True)
     out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
     ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, True)
     assert ok, f"max abs err {max_err:.2e}: {why}"
@@ -580,15 +519,6 @@ def test_fp8_matches_reference(case):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
-@pytest.mark.parametrize("case", [c for c in check.fp8_cases(quick=False) if c["s_q"] * c["h"] > 32],
-                         ids=lambda c: f"fp8-b{len(c['lens'])}-sq{c['s_q']}-h{c['h']}"
-                                       f"-causal{c['causal']}-splits{c.get('num_splits')}")
-def test_fp8_seesaw_matches_reference_on_the_check_shapes(monkeypatch, case):
-    """test_fp8_matches_reference's shapes of more than 32 rows on mla_decode.FP8_SEESAW."""
-    monkeypatch.setattr(cd, "FP8_SEESAW", True)
-    test_fp8_matches_reference(case)
-
-
 def _fp8_mma_for_every_split(monkeypatch):
     """The FP8-MMA kernel for every FP8 step of <= 16 rows, however short its splits (mla_decode.uses_fp8_mma), and
     not the f16-register kernel that takes the long ones by default (FP8_F16)."""
@@ -597,12 +527,11 @@ def _fp8_mma_for_every_split(monkeypatch):
                         kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
 
 
-@pytest.mark.parametrize("s_q, h, fp8_mma, seesaw", [(2, 64, False, False), (1, 16, True, False),
-                                                   (1, 128, False, True)], ids=["w64", "fp8_mma", "fp8_seesaw"])
-def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma, seesaw):
-    """A captured FP8 step (the 64-row kernel; the FP8-MMA one, taken for every split, against the exact entries; the
-    seesaw on the register-path loader, FP8_SEESAW)."""
-    monkeypatch.setattr(cd, "FP8_SEESAW", seesaw)
+@pytest.mark.parametrize("s_q, h, fp8_mma", [(2, 64, False), (1, 16, True), (1, 128, False)],
+                         ids=["fp8_seesaw_sq2", "fp8_mma", "fp8_seesaw"])
+def test_fp8_cuda_graph_replay_equals_eager(monkeypatch, s_q, h, fp8_mma):
+    """A captured FP8 step (the seesaw on the register-path loader; the FP8-MMA kernel, taken for every split,
+    against the exact entries)."""
     if fp8_mma:
         _fp8_mma_for_every_split(monkeypatch)
     b = 4

@@ -1,5 +1,5 @@
 """Dequantizing the FP8 656-byte KV format into a bf16 wgmma tile in shared memory, for the CuTe DSL FP8
-kernels (mla_decode_fp8_kernel.py, sparse_mla_fp8_kernel.py).
+kernels (mla_decode_fp8_narrow_kernel.py, sparse_mla_fp8_kernel.py).
 
 A row's first 528 bytes in the kernels' raw smem stage: 512 e4m3 c_kv bytes, then 4 fp32 scales (one per
 128 columns). An e4m3 byte x read as the bf16 with bits ((x & 0x7F) << 4) | ((x & 0x80) << 8) is exactly

@@ -1,9 +1,8 @@
-"""How the CuTe DSL FP8 decode kernels (mla_decode_fp8_kernel.py, mla_decode_fp8_narrow_kernel.py,
-sparse_mla_fp8_kernel.py) bring the 656-byte FP8 pages in and multiply on them: the format's layout
-constants, the host-side tensors, smem layouts and TMA atoms, the loader warpgroup (TMA of Q and each page's
-raw bytes into a ring of RAW_STAGES stages, or one, dequantization into bf16 tiles handed over on mbarriers:
-fp8_dequant.py), and the QK / PV wgmma groups on those tiles. mla_decode_fp8_kernel.py's docstring describes
-the format and the barriers per page.
+"""How the CuTe DSL FP8 kernels that dequantize pages into bf16 tiles in smem (mla_decode_fp8_narrow_kernel.py,
+sparse_mla_fp8_kernel.py) bring the 656-byte FP8 pages in and multiply on them: the format's layout constants, the
+host-side tensors, smem layouts and TMA atoms, the loader warpgroup (TMA of Q and each page's raw bytes into a ring
+of RAW_STAGES stages, or one, dequantization into bf16 tiles handed over on mbarriers: fp8_dequant.py), and the
+QK / PV wgmma groups on those tiles. sparse_mla_fp8_kernel.py's docstring describes the barriers per tile.
 """
 
 import cutlass
@@ -26,16 +25,15 @@ ROW_WORDS = 164       # 656 B
 ROPE_ELEMS = 328      # a row in bf16 elements; k_pe starts at element 264 (byte 528)
 RAW_STAGES = 2
 LOADER_THREADS = 128
-HALF_SLOTS = 3        # the 64-row FP8 kernel's half ring: bf16 slots of a column half [64, 256] each
+HALF_SLOTS = 3        # the FP8 sparse kernel's half ring: bf16 slots of a column half [64, 256] each
 HALF_SLOT_BYTES = TILE_N * D_V
 PE_BYTES = TILE_N * D_PE * 2
 
 
 def fp8_host_setup(q_rows: int, q_ptr, kv_ptr, rope_ptr, bt_ptr, seqlens_ptr, out_ptr, lse_ptr, po_ptr, pl_ptr,
                    batch, s_q, h, num_pages, max_pages, num_splits, raw_stages: int = RAW_STAGES):
-    """The host-side pieces both FP8 dense kernels (mla_decode_fp8_kernel.py, mla_decode_fp8_narrow_kernel.py)
-    build alike,
-    from `__call__`'s arguments (see MLADecodeFP8Sm90.__call__), for CTAs of `q_rows` query rows:
+    """The host-side pieces of the narrow FP8 dense kernel (mla_decode_fp8_narrow_kernel.py), from `__call__`'s
+    arguments (see MLADecodeFP8NarrowSm90.__call__), for CTAs of `q_rows` query rows:
       tensors (block table, seqlens, out, lse, partial out, partial lse),
       smem layouts (the 128-byte-swizzle K-major atom; Q [q_rows, 576]; the bf16 c_kv tile [64, 512]; the
         raw ring's k_pe [64, 64, raw_stages] and bytes [64, 132 words, raw_stages], plain row-major),
@@ -127,8 +125,8 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                batch: Int32, first_page: Int32, n_tiles: Int32, seqlen: Int32, start: Int32,
                tiles: cutlass.Constexpr[int] = 1, raw_pe: cutlass.Constexpr[bool] = True,
                release_every: cutlass.Constexpr[int] = 1, raw_stages: cutlass.Constexpr[int] = RAW_STAGES,
-               bt_ahead: cutlass.Constexpr[bool] = False, half_ring: cutlass.Constexpr[bool] = False):
-    """The loader warpgroup of the FP8 dense kernels (mla_decode_fp8_kernel.py, the narrow one): warp 0
+               bt_ahead: cutlass.Constexpr[bool] = False):
+    """The loader warpgroup of the narrow FP8 dense kernel (mla_decode_fp8_narrow_kernel.py): warp 0
     loads the CTA's Q tile [q_rows, 576] (row block m_block) and the pages' raw bytes (and, `raw_pe`, their
     k_pe) by TMA into the ring of `raw_stages` stages; all four warps dequantize page t into bf16 c_kv tile
     t % `tiles` (the tiles side by side from shared address kv_base) once the consumers freed it (kv_empty +
@@ -138,10 +136,7 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
     issued, before the wait for the tile and the conversion: the page in flight lands while page t is
     converted. With `bt_ahead` (the narrow kernel) warp 0 reads each refill's block-table entry a page before
     the refill: read at the refill, its latency holds warp 0, and with it the page's conversion, every page
-    (bench/NOTES.md 71: the 64-row kernel measured 0.97-0.99x with it, so it reads at the refill).
-    With `half_ring` (one raw stage, k_pe not in it) the bf16 tiles are HALF_SLOTS slots of a column half each
-    [64, 256]: page t's half h goes to slot (2 t + h) % HALF_SLOTS once kv_empty + slot says its last reader is
-    done, and is handed over on kv_full + slot (fp8_dequant.store_half)."""
+    (bench/NOTES.md 71)."""
     gRaw = cute.local_tile(mRaw_tma, (TILE_N, RAW_WORDS), (None, 0))     # [64, 132, pages]
     gPE = cute.local_tile(mPE_tma, (TILE_N, D_PE), (None, 0))           # [64, 64, pages]
     tRs, tRg = cpasync.tma_partition(tma_raw, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2),
@@ -191,9 +186,7 @@ def fp8_loader(tidx: Int32, warp_idx: Int32, tma_q: cute.CopyAtom, mQ_tma: cute.
                 _load_page(raw_pipe, raw_p, tma_raw, tRg, tRs, tma_pe, tPg, tPs, next_page, raw_pe)
         next_page = later_page
         raw_p.advance()
-        if const_expr(half_ring):
-            store_halves(tidx, page, t, kv_base, kv_full, kv_empty, valid)
-        elif const_expr(regs):
+        if const_expr(regs):
             cute.arch.mbarrier_wait(kv_empty + tile, (t // tiles + 1) % 2)
             store_tile(tidx, page, kv_base + tile * (TILE_N * D_V * 2), kv_full + tile * KV_BLOCKS, valid,
                        release_every)
@@ -203,7 +196,7 @@ def store_halves(tidx: Int32, page, t: Int32, kv_base: Int32, kv_full: cute.Poin
                  valid: Int32):
     """The half ring's conversion of tile t from load_raw_page's registers: column half h into slot
     (2 t + h) % HALF_SLOTS (from shared address kv_base) once kv_empty + slot says its last reader is done, handed
-    over on kv_full + slot (the FP8 kernels' half ring: mla_decode_fp8_kernel.py, sparse_mla_fp8_kernel.py)."""
+    over on kv_full + slot (the FP8 sparse kernel's half ring, sparse_mla_fp8_kernel.py)."""
     for half in range(2):
         use = 2 * t + half
         slot = use % HALF_SLOTS
@@ -215,7 +208,7 @@ def store_halves(tidx: Int32, page, t: Int32, kv_base: Int32, kv_full: cute.Poin
 def load_pe(tma_pe: cute.CopyAtom, tPg: cute.Tensor, tPs: cute.Tensor, bar: cute.Pointer, page: Int32, lane: Int32,
             stage=0):
     """A page's k_pe [64, 64] bf16 by TMA into k_pe buffer `stage` of tPs, on `bar` (called by one whole warp): the
-    FP8 kernels whose k_pe does not travel in the raw stage (the narrow kernel's two tiles, the half ring)."""
+    narrow FP8 kernel's two tiles, whose k_pe does not travel in the raw stage."""
     if lane == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(bar, PE_BYTES)
     cute.copy(tma_pe, tPg[None, page], tPs[None, stage], tma_bar_ptr=bar)
@@ -271,11 +264,11 @@ def _qk_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute
 def pv_and_release(tiled_mma: cute.TiledMma, acc_o: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
                    kv_empty: cute.Pointer, t: Int32, cw: Int32, n_tiles: Int32, half_ring: cutlass.Constexpr[bool],
                    one_barrier: cutlass.Constexpr[bool]):
-    """The split consumer pair's O_w += P V_w of tile t (the 64-row FP8 kernels: mla_decode_fp8_kernel.py,
-    sparse_mla_fp8_kernel.py), waited for, then what it read is freed: on the half ring, slot (2 t + cw) %
-    HALF_SLOTS, tile t's column half cw (the other consumer's S of tile t, the slot's other reader, came before P
-    was complete), else the whole tile (kv_empty); with `one_barrier`, P too, for the other consumer's next store
-    (split_consumers.one_barrier_p), unless t is the last tile."""
+    """The split consumer pair's O_w += P V_w of tile t (the FP8 sparse kernel, sparse_mla_fp8_kernel.py), waited
+    for, then what it read is freed: on the half ring, slot (2 t + cw) % HALF_SLOTS, tile t's column half cw (the
+    other consumer's S of tile t, the slot's other reader, came before P was complete), else the whole tile
+    (kv_empty); with `one_barrier`, P too, for the other consumer's next store (split_consumers.one_barrier_p),
+    unless t is the last tile."""
     if const_expr(half_ring):
         slot = (2 * t + cw) % HALF_SLOTS
         _pv_gemm(tiled_mma, acc_o, tOrP, tOrV[None, None, None, slot])

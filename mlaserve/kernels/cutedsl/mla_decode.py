@@ -18,7 +18,7 @@ with any s_q and h, KV in q's dtype [pages, 64, 576] or, with bf16 q, the FP8 fo
 registers, mla_decode_fp8_f16_kernel.py, keys on wgmma's M side; shorter splits: FP8 wgmma on the e4m3 bytes
 at <= 16 rows when FP8_F16 is off, mla_decode_fp8_mma_kernel.py, else dequantized to bf16 in smem,
 mla_decode_fp8_narrow_kernel.py; for more rows the bf16 seesaw consumers on a ring a loader warpgroup fills from
-registers, mla_decode_fp8_seesaw_kernel.py, or with FP8_SEESAW off mla_decode_fp8_kernel.py), head_dim_v 512.
+registers, mla_decode_fp8_seesaw_kernel.py), head_dim_v 512.
 `nvidia-cutlass-dsl` is imported on the first launch only: checks and plans work without it.
 """
 
@@ -75,7 +75,7 @@ def check_supported(q_shape, q_dtype: torch.dtype, kv_shape, kv_dtype: torch.dty
         raise ValueError(f"the cutedsl MLA decode takes at most {MAX_BATCH} requests, got {q_shape[0]}")
 
 
-# -- FP8 KV (mla_decode_fp8_kernel.py): uint8 [pages, 64, 656], bf16 q and out --
+# -- FP8 KV (the mla_decode_fp8_*_kernel.py kernels): uint8 [pages, 64, 656], bf16 q and out --
 
 def _check_fp8(q_dtype: torch.dtype, kv_shape) -> None:
     """The FP8 kernel's own limits: bf16 q (the dequantized tile is bf16) and page size 64."""
@@ -193,10 +193,11 @@ PERSISTENT = True
 # persistent launches, and FP8 grids of more than one wave, take requests longest first (False: in batch order;
 # for A/B runs)
 LONGEST_FIRST = True
-# LONGEST_FIRST for the grids of the other kernels too (the 16-bit grid, the keys-on-M FP8 and FP8-MMA kernels) and
-# for split grids (the order rides in lse's place there): where a grid runs more than one wave, as the host-length
-# splits' two a request do (BALANCE_SPLITS_MAX_ROWS), its requests longest first. On the H200 (bench/NOTES.md 105;
-# decode_ab GRID_ORDER_ALL, b128 lengths 8192 +- 50% split in two): h16 bf16 1.199x, FP8 1.225x (32k: 1.238x)
+# LONGEST_FIRST for the other grids too (the 16-bit grid, the keys-on-M FP8 and FP8-MMA kernels, beside the FP8
+# seesaw's unsplit one) and for split grids (the order rides in lse's place there): where a grid runs more than one
+# wave, as the host-length splits' two a request do (BALANCE_SPLITS_MAX_ROWS), its requests longest first. On the
+# H200 (bench/NOTES.md 105; decode_ab GRID_ORDER_ALL, b128 lengths 8192 +- 50% split in two): h16 bf16 1.199x, FP8
+# 1.225x (32k: 1.238x)
 GRID_ORDER_ALL = True
 # persistent ticket launches of at most RANK_ORDER_MAX_B requests rank them by length in the kernel (each CTA, before
 # its first load) instead of in a kernel launch of their own before it (work_order.longest_first: ~5 us a call on the
@@ -209,31 +210,18 @@ RANK_ORDER_MAX_B = 256     # the kernel's smem holds the order as int16, in padd
 # the clocks of its phases, left in `last_trace` after each launch (eager calls only); also of the f16-register FP8
 # kernel's unsplit launches in batch order (scripts/fp8_f16_trace.py: mla_decode_fp8_f16_kernel.TRACE_FIELDS a CTA)
 TRACE = False
-# 16-bit KV and the 64-row FP8 kernel: O (or the fp32 split partials) stored 16 bytes at a time after a transpose
+# 16-bit KV and the FP8 seesaw: O (or the fp32 split partials) stored 16 bytes at a time after a transpose
 # within each quad (False: the accumulator's 4/8-byte pairs, or value by value; for A/B runs)
 STORE_16B = True
 # the keys-on-M FP8 kernel at 32 rows: two bf16 tiles and one raw stage (the loader frees it as soon as the page's
 # bytes are in its registers) against one tile and two raw stages. On the H200, b128 s_k 4k-32k and b16 s_k 32768:
 # 1.07-1.12x faster, and the FP8 GPU tests pass on it (bench/NOTES.md 65, 67)
 FP8_N32_TWO_TILES = True
-# The 64-row FP8 kernel (FP8 KV at more than 32 rows: h64, h128) with its bf16 tile as a ring of three column-half
-# slots and one raw stage (the loader holds the page's bytes in registers), against one whole tile and two raw stages:
-# page t + 1's first half is converted while page t is still read, and only its second half waits for a P V of page
-# t (mla_decode_fp8_kernel.py, "The half ring"). The same bits. On an H100 (bench/NOTES.md 118; decode_ab, b128 unless
-# named, --sustain-ms 20): h128 4k / 8k 1.052 / 1.048x, h128 s_q2 4k 1.059x, h64 4k / 32k 1.053 / 1.036x, h64 s_q2 4k
-# 1.051x, h128 4k variable lengths 1.054x, b16 / b4 h128 32k (split) 1.050 / 1.033x (False: for A/B runs)
-FP8_HALF_RING = True
-# The 64-row FP8 kernel's consumers: softmax on one barrier a page where no row's max rises by more than
-# split_consumers.LAZY_RESCALE_LOG2 (split_consumers.one_barrier_p), against the two barriers (maxima, then P) every
-# page. Not the same bits (the running max is lazy). On an H100 (bench/NOTES.md 125; decode_ab, --sustain-ms 20, on
-# the half ring): b128 h128 / h64 4k 1.062 / 1.068x (False: for A/B runs)
-FP8_ONE_BARRIER = True
 # FP8 KV at more than 32 rows (h64, h128): the 16-bit kernel's seesaw consumers on a ring that a register-path loader
-# fills with each page's bf16 values (mla_decode_fp8_seesaw_kernel.py), in place of the 64-row FP8 kernel. Grid
-# launches, one CTA a row tile. On an H100 (bench/NOTES.md 156; decode_ab off/on, --sustain-ms 20, b128): h64 4k /
-# 16k / 32k 1.059 / 1.145 / 1.113x, h128 4k / 16k 1.109 / 1.118x, s_q2 h64 / h128 4k 1.106 / 1.130x, b16 h128 32k
-# (split) 1.150x the 64-row kernel (False: that kernel, for A/B runs)
-FP8_SEESAW = True
+# fills with each page's bf16 values (mla_decode_fp8_seesaw_kernel.py). Grid launches, one CTA a row tile. On an H100
+# (bench/NOTES.md 156; decode_ab, --sustain-ms 20, b128): h64 4k / 16k / 32k 1.059 / 1.145 / 1.113x, h128 4k / 16k
+# 1.109 / 1.118x, s_q2 h64 / h128 4k 1.106 / 1.130x, b16 h128 32k (split) 1.150x the 64-row FP8 kernel it replaced
+# (dequantizing into bf16 tiles, consumers splitting S by keys and O by columns; removed after NOTES 157).
 # its loader's global loads: groups of FP8_SEESAW_GROUP_ROWS rows a warp, FP8_SEESAW_AHEAD groups ahead of the one it
 # converts (5 registers a row: fp8_register_loader.py)
 FP8_SEESAW_GROUP_ROWS = 4
@@ -421,7 +409,8 @@ def stream_k_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_narrow_cols(rows: int) -> int:
     """The FP8 kernel with the keys on wgmma's M side (mla_decode_fp8_narrow_kernel.py) takes requests of
-    at most 32 query rows, padded to 16 or 32 (wgmma N); 0: the 64-row kernel (mla_decode_fp8_kernel.py)."""
+    at most 32 query rows, padded to 16 or 32 (wgmma N); 0: the FP8 seesaw's 64-row tiles
+    (mla_decode_fp8_seesaw_kernel.py)."""
     return 16 if rows <= 16 else 32 if rows <= 32 else 0
 
 
@@ -457,15 +446,15 @@ def kv_ring(rows: int) -> tuple[int, bool, int]:
 def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False, cluster: int = 1, narrow: int = 0,
             persistent: bool = False, ordered: bool = False, trace: bool = False, store16: bool = False,
             streamk: bool = False, early_sums: bool = True, rank_order: bool = False, fp8_mma: bool = False,
-            rows: int = TILE_M, fp8_f16: bool = False, fp8_seesaw: bool = False):
+            rows: int = TILE_M, fp8_f16: bool = False):
     """The compiled kernel for one specialization (compiled on first use, then cached). `narrow` (FP8 only):
-    16 or 32 for the keys-on-M kernel of that many query rows, 0 for the 64-row one. `persistent` (16-bit KV,
-    unsplit): one CTA per SM taking work items until none is left; `streamk` its static balanced schedule.
+    16 or 32 for the keys-on-M kernels of that many query rows, 0 for the FP8 seesaw (64-row tiles).
+    `persistent` (16-bit KV, unsplit): one CTA per SM taking work items until none is left; `streamk` its static
+    balanced schedule.
     `ordered` (grid launches): the grid's request axis through an order of the requests.
     `fp8_mma` (FP8, narrow 16): the kernel with FP8 wgmma on the e4m3 bytes (uses_fp8_mma chooses it).
     `rows` (16-bit KV): a request's query rows, which pick the KV ring (kv_ring). `fp8_f16` (FP8, narrow): the
-    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it). `fp8_seesaw` (FP8, narrow
-    0): the seesaw consumers on the register-path loader's ring (FP8_SEESAW)."""
+    kernel that multiplies the pages' bytes as f16 in registers (uses_fp8_f16 chooses it)."""
     key = (dtype, causal, split, ("fp8" + (f"-n{narrow}" if narrow else "")) if kv_fp8 else "16bit", cluster)
     if persistent:
         key += ("persistent",)
@@ -483,13 +472,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("rank-order",)
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
-    if fp8_seesaw:
-        if not kv_fp8 or narrow:
-            raise ValueError(f"the FP8 seesaw kernel takes FP8 KV at more than 32 rows, got kv_fp8={kv_fp8}, "
-                             f"narrow={narrow}")
+    if kv_fp8 and not narrow:
         key += ("fp8-seesaw", f"groups={FP8_SEESAW_GROUP_ROWS}x{FP8_SEESAW_AHEAD}", f"prefetch={FP8_SEESAW_PREFETCH}")
-    elif kv_fp8 and not narrow:
-        key += (("half-ring",) if FP8_HALF_RING else ()) + (("one-barrier",) if FP8_ONE_BARRIER else ())
     if fp8_mma:
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
@@ -506,7 +490,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("scalar-io",)
     if fp8_mma and FP8_MMA_EARLY_REFILL:
         key += ("early-refill",)
-    seesaw = {} if kv_fp8 and not fp8_seesaw else {
+    seesaw = {} if kv_fp8 and narrow else {
         "lazy_rescale": LAZY_RESCALE, "fold_scale": FOLD_SCALE, "tree_max": TREE_MAX, "spec_exp": SPEC_EXP}
     if not kv_fp8:
         seesaw["kv_parts"], seesaw["kv_split"], seesaw["kv_prefetch"] = kv_ring(rows)
@@ -532,7 +516,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                                           vec_io=FP8_MMA_VEC_IO, early_refill=FP8_MMA_EARLY_REFILL,
                                                           ordered=ordered),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
-        elif fp8_seesaw:
+        elif kv_fp8 and not narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_seesaw_kernel")
             fn = cute.compile(kmod.MLADecodeFP8SeesawSm90(causal=causal, is_split=split, ordered=ordered,
                                                           store16=store16, group_rows=FP8_SEESAW_GROUP_ROWS,
@@ -544,11 +528,6 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             tiles = 2 if narrow == 16 or FP8_N32_TWO_TILES else 1
             fn = cute.compile(kmod.MLADecodeFP8NarrowSm90(causal=causal, is_split=split, n=narrow, tiles=tiles,
                                                           bt_ahead=BT_AHEAD, ordered=ordered),
-                              *_fp8_pointers((None,) * 8, ordered, split), *scalars)
-        elif kv_fp8:
-            kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_kernel")
-            fn = cute.compile(kmod.MLADecodeFP8Sm90(causal=causal, is_split=split, ordered=ordered, store16=store16,
-                                                    half_ring=FP8_HALF_RING, one_barrier=FP8_ONE_BARRIER),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         else:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_kernel")
@@ -672,7 +651,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=Tr
                  traced, STORE_16B and not narrow and (not split or po.data_ptr() % 16 == 0),
                  streamk, EARLY_SUMS or kv_fp8, rank_order,
                  uses_fp8_mma(kv_fp8, s_q * h, block_table.shape[1], plan.num_splits) and not f16_kernel, s_q * h,
-                 f16_kernel, FP8_SEESAW and kv_fp8 and not narrow)
+                 f16_kernel)
     fn(*(_fp8_pointers(addresses, order is not None, split) if kv_fp8
          else _pointers(q.dtype, addresses, bool(clusters), streamk, order is not None, split)),
        cutlass.Int32(b), cutlass.Int32(s_q), cutlass.Int32(h), cutlass.Int32(kv_cache.shape[0]),

@@ -98,7 +98,7 @@ Q_PERM = tuple(4 * ((l % 8) // 2) + 2 * (l // 8) + l % 2 for l in range(16))
 
 class MLADecodeFP8F16Sm90:
     """Compiled per (causal, split, n); q, out bf16. Launched by mla_decode.py through `__call__`, with the
-    arguments of MLADecodeFP8Sm90: s_q * h <= n (n 16 or 32)."""
+    arguments of MLADecodeFP8SeesawSm90.__call__: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
                  split_epilogue: bool = False, trace: bool = False, group_s: bool = False):

@@ -65,7 +65,7 @@ RED_SLOTS = N + GROUPS  # per warp and parity: the column maxima, then the scale
 
 class MLADecodeFP8MmaSm90:
     """Compiled per (causal, split); q, out bf16. Launched by mla_decode.py through `__call__`, with the arguments
-    of MLADecodeFP8Sm90 (s_q * h <= 16)."""
+    of MLADecodeFP8SeesawSm90.__call__ (s_q * h <= 16)."""
 
     def __init__(self, causal: bool, is_split: bool, bt_ahead: bool = True, vec_io: bool = True,
                  early_refill: bool = False, ordered: bool = False):

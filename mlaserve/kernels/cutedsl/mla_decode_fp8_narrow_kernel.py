@@ -2,7 +2,7 @@
 (h 16 / h 32 with s_q 1, h 16 with s_q 2), with the keys on wgmma's M side. At <= 16 rows with splits of >= 32
 pages, mla_decode.py takes mla_decode_fp8_mma_kernel.py instead (FP8 wgmma on the e4m3 bytes, no bf16 tile).
 
-mla_decode_fp8_kernel.py puts a request's query rows on M, where a wgmma takes 64: at h 16 three quarters
+A kernel with a request's query rows on M, where a wgmma takes 64, pads them: at h 16 three quarters
 of its MMA work is padding, about 1.2 us a page at the tensor cores' peak, more than the ~1.3 us in which
 HBM delivers the page's 42 KB of FP8 to an SM (1.3 us is what FP8 at 1.6x the bf16 kernel's speed needs).
 Here the same page costs N / 64 of that, N = 16 or 32 the query rows padded:
@@ -84,7 +84,7 @@ class MLADecodeFP8NarrowSm90:
     """Compiled per (causal, split, n, tiles) with n = 16 or 32 query rows per CTA and 1 or 2 bf16 c_kv tiles
     (two: the loader converts page t + 1 while the consumer computes on page t, and k_pe has a buffer of its own;
     one: k_pe travels in the raw stage); q, out bf16. Launched by mla_decode.py through `__call__`, with the
-    arguments of MLADecodeFP8Sm90."""
+    arguments of MLADecodeFP8SeesawSm90.__call__."""
 
     def __init__(self, causal: bool, is_split: bool, n: int, tiles: int, bt_ahead: bool = True,
                  ordered: bool = False):
@@ -105,7 +105,7 @@ class MLADecodeFP8NarrowSm90:
                  seqlens_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, po_ptr: cute.Pointer,
                  pl_ptr: cute.Pointer, batch: Int32, s_q: Int32, h: Int32, num_pages: Int32, max_pages: Int32,
                  num_splits: Int32, scale_log2: Float32, stream):
-        """As MLADecodeFP8Sm90.__call__ (s_q * h <= n)."""
+        """As MLADecodeFP8SeesawSm90.__call__ (s_q * h <= n)."""
         n = self.n
         rows = s_q * h
         (mBT, mSeqlens, mOut, mLse, mPO, mPL), (atom, sQ_layout, sKV_layout, sPE_layout, sRaw_layout), \

@@ -1,15 +1,15 @@
 """The Hopper (sm_90a) MLA decode over the FP8 656-byte KV format on the bf16 kernel's seesaw consumers, in CuTe DSL.
 
-One CTA = 64 query rows x one KV split of one request, a grid launch (mla_decode.FP8_SEESAW: FP8 requests of more
-than 32 query rows). The consumers are the bf16 dense decode's (mla_decode_consumer.SeesawConsumer, whose schedule
-mla_decode_kernel.py's docstring gives: one consumer owns a page's S and softmax while the other runs the previous
-page's P V) on its 2-stage ring of bf16 [64, 576] pages; what differs is who fills the ring. In place of the TMA
-producer, a loader warpgroup reads each page's e4m3 bytes and scales into registers and writes them as bf16 into the
-stage (fp8_register_loader.py), and k_pe lands there by TMA. The 64-row FP8 kernel (mla_decode_fp8_kernel.py)
-splits S by keys and O by columns with the maxima exchanged every page and took ~2.76 us a page on an H100 where
-this schedule takes ~2.07 in bf16 (bench/NOTES.md 151). On an H100 this kernel runs 1.06-1.15x as fast as that one
-(NOTES 156); the loader, not the consumers, sets its pace (NOTES 155: the consumers hold both stages, so a page's
-fill sits between two seesaw steps).
+One CTA = 64 query rows x one KV split of one request, a grid launch (FP8 requests of more than 32 query rows). The
+consumers are the bf16 dense decode's (mla_decode_consumer.SeesawConsumer, whose schedule mla_decode_kernel.py's
+docstring gives: one consumer owns a page's S and softmax while the other runs the previous page's P V) on its
+2-stage ring of bf16 [64, 576] pages; what differs is who fills the ring. In place of the TMA producer, a loader
+warpgroup reads each page's e4m3 bytes and scales into registers and writes them as bf16 into the stage
+(fp8_register_loader.py), and k_pe lands there by TMA. The 64-row FP8 kernel this replaced (removed after
+bench/NOTES.md 157) split S by keys and O by columns with the maxima exchanged every page and took ~2.76 us a page on
+an H100 where this schedule takes ~2.07 in bf16 (bench/NOTES.md 151). On an H100 this kernel runs 1.06-1.15x as fast
+as that one (NOTES 156); the loader, not the consumers, sets its pace (NOTES 155: the consumers hold both stages, so
+a page's fill sits between two seesaw steps).
 
 Warp roles (384 threads): WG 0 the loader (setmaxnreg LOADER_REGS; warp 0 also loads Q by TMA), WG 1 and WG 2 the
 consumers (setmaxnreg CONSUMER_REGS, where the seesaw still compiles without spills: NOTES 151).
@@ -64,9 +64,11 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
                  seqlens_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, po_ptr: cute.Pointer,
                  pl_ptr: cute.Pointer, batch: Int32, s_q: Int32, h: Int32, num_pages: Int32, max_pages: Int32,
                  num_splits: Int32, scale_log2: Float32, stream):
-        """As MLADecodeFP8Sm90.__call__: q bf16 [b, s_q * h, 576]; kv the cache uint8 [num_pages * 64, 656] as
-        int32 words; rope the same cache as bf16 from byte 528; bt, seqlens, out, lse, partials; ordered launches
-        pass the requests' order in partial out's place (unsplit) or lse's (split)."""
+        """q bf16 [b, s_q * h, 576]; kv: the cache uint8 [num_pages * 64, 656] as int32 words; rope: the same
+        cache as bf16 from byte 528 (k_pe, row stride 328 elements); bt int32 [b, max_pages]; seqlens int32
+        [b]; out bf16 [b, s_q * h, 512], lse fp32 [b, s_q * h]; partials (split only) fp32
+        [b, num_splits, s_q * h, 512] and [b, num_splits, s_q * h]. Ordered launches pass the requests' int32
+        order [b] in partial out's place (unsplit) or lse's (split). The other FP8 dense kernels take the same."""
         rows = s_q * h
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, D_QK, batch), stride=(D_QK, 1, rows * D_QK)))
         mRope = cute.make_tensor(rope_ptr, cute.make_layout((num_pages * TILE_N, D_PE), stride=(ROPE_ELEMS, 1)))

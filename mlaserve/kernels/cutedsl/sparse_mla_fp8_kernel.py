@@ -2,9 +2,8 @@
 
 One CTA = 64 heads of one query token x one split of that token's top-k, the grid of the bf16 sparse kernel
 (sparse_mla_kernel.py, whose host setup, CTA prelude, Q load and gather pieces it shares). The rows are
-gathered as there, the e4m3 bytes dequantized as in the dense FP8 kernel
-(mla_decode_fp8_kernel.py and fp8_pages.py, whose helpers this module calls), and the consumers' math is
-the dense FP8 kernel's with the sparse kernel's per-key mask.
+gathered as there, the e4m3 bytes dequantized by fp8_pages.py's and fp8_dequant.py's helpers, and the consumers'
+math is the split consumer pair's (split_consumers.py) with the sparse kernel's per-key mask.
 
 Each cached token is 656 bytes (mlaserve/kernels/fp8_format.py): 512 e4m3 c_kv bytes, 4 fp32 scales, 64 bf16
 k_pe values. Per tile of 64 gathered rows:
@@ -27,23 +26,22 @@ Warp roles (384 threads):
   stage, then c_kv from the bf16 tile block by block), keys whose index is -1 or past the end at -inf,
   P_w to smem, O_w += P V_w over columns 256w..256w+256.
 
-Smem: the dense FP8 kernel's buffers with the raw stage split into its row-major part and the swizzled k_pe
-part: Q 73728 + bf16 tile 65536 + k_pe 2 x 8192 + raw 2 x 33792 + P 8192 + mbarriers
-and row statistics = 232056 B (232448 with the struct's 1024-byte alignment, the sm_90 limit).
-One bf16 tile: dequantizing tile t + 1 waits for the consumers' P V of tile t; the QK of tile t overlaps
-its conversion block by block. Measured on the H200 at b128 s_q2 h128 topk 2048: 244 TFLOP/s converting
-whole tiles, 277 with the blocks and the loads issued a block ahead.
+Smem: Q, the bf16 tile, the raw stage in its row-major part and the swizzled k_pe part, P: Q 73728 + bf16 tile 65536
++ k_pe 2 x 8192 + raw 2 x 33792 + P 8192 + mbarriers and row statistics = 232056 B (232448 with the struct's
+1024-byte alignment, the sm_90 limit). One bf16 tile: dequantizing tile t + 1 waits for the consumers' P V of tile t;
+the QK of tile t overlaps its conversion block by block. Measured on the H200 at b128 s_q2 h128 topk 2048: 244
+TFLOP/s converting whole tiles, 277 with the blocks and the loads issued a block ahead.
 
-The half ring (SparseMLAFP8Sm90(half_ring=True), sparse_mla.FP8_HALF_RING; the dense kernel's, mla_decode_fp8_kernel.py,
-bench/NOTES.md 118-119): the bf16 tile as three slots of a column half, tile t's half h in slot (2 t + h) % 3, each
-freed by the consumer whose P V reads it (kv_empty + slot, 128 arrivals) and handed over on kv_full + slot. The e4m3
-bytes and scales have one buffer: each loader thread reads its share into 80 registers (fp8_dequant.load_raw_page),
-the four warps meet on BAR_LOADER, and tile t + 1 is gathered into the buffer while tile t is converted. The
-pipeline's two stages are then k_pe's two buffers (the consumers still free a stage after S). Smem: Q 73728 + slots
-98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers: loader 112, consumers 192. The default
-since bench/NOTES.md 125 (H100, s_q 1, top-k 2048: 1.062x at b64 h128, 1.004x at b128 h64). So is the
-consumers' softmax on one barrier a tile (SparseMLAFP8Sm90(one_barrier=True), sparse_mla.FP8_ONE_BARRIER;
-split_consumers.one_barrier_p, as the dense 64-row FP8 kernel's): 1.008-1.011x on the half ring (NOTES 127).
+The half ring (SparseMLAFP8Sm90(half_ring=True), sparse_mla.FP8_HALF_RING; first built for the dense 64-row FP8
+decode kernel that the FP8 seesaw replaced, bench/NOTES.md 118-119): the bf16 tile as three slots of a column half,
+tile t's half h in slot (2 t + h) % 3, each freed by the consumer whose P V reads it (kv_empty + slot, 128 arrivals)
+and handed over on kv_full + slot. The e4m3 bytes and scales have one buffer: each loader thread reads its share into
+80 registers (fp8_dequant.load_raw_page), the four warps meet on BAR_LOADER, and tile t + 1 is gathered into the
+buffer while tile t is converted. The pipeline's two stages are then k_pe's two buffers (the consumers still free a
+stage after S). Smem: Q 73728 + slots 98304 + k_pe 16384 + raw 33792 + P 8192 + barriers = 231424 B. Registers:
+loader 112, consumers 192. The default since bench/NOTES.md 125 (H100, s_q 1, top-k 2048: 1.062x at b64 h128, 1.004x
+at b128 h64). So is the consumers' softmax on one barrier a tile (SparseMLAFP8Sm90(one_barrier=True),
+sparse_mla.FP8_ONE_BARRIER; split_consumers.one_barrier_p): 1.008-1.011x on the half ring (NOTES 127).
 
 Barriers per tile t (stage s = t % 2):
   raw full[s]  128 loader arrivals (cp.async noinc)   loader waits (dequantize), consumers wait (k_pe)
@@ -60,11 +58,11 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
 
 from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_dequant import KV_BLOCKS, dequant_tile, load_raw_page
 from mlaserve.kernels.cutedsl.fp8_pages import HALF_SLOTS, _qk_gemm, pv_and_release, store_halves
-from mlaserve.kernels.cutedsl.mla_decode_fp8_kernel import _consumer_operands, _qk_half_ring, fp8_split_storage
 from mlaserve.kernels.cutedsl.sparse_mla_kernel import (
     D_QK, D_V, HALF_N, PRODUCER_THREADS, ROW_PASSES, ROWS_PER_PASS, THREADS, TILE_M, TILE_N, consumer_rows, cp16,
     cta_coords, drain_copies, load_q, make_q_pipe, row_slots, slot_source, sparse_host_setup, split_range,
@@ -78,6 +76,7 @@ RAW_WORDS = 132       # the e4m3 bytes and the 4 scales of a row, in 32-bit word
 ROW_WORDS = 164       # 656 B
 RAW_CHUNKS = RAW_WORDS // 4   # 33 16-byte chunks
 RAW_STAGES = 2
+PE_STAGES = 2         # the half ring's k_pe buffers (the pipeline's two stages)
 LOADER_REGS = 56
 CONSUMER_REGS = 224   # 128 * 56 + 256 * 224 = 64512 = 384 * 168
 LOADER_THREADS = PRODUCER_THREADS   # 128, gathering 8 threads per row as sparse_mla_kernel.row_slots assumes
@@ -141,7 +140,7 @@ class SparseMLAFP8Sm90:
         kv_full = storage.kv_mbar.data_ptr()       # KV_BLOCKS barriers, one per 64-column block of the tile
         kv_empty = kv_full + KV_BLOCKS
         if const_expr(self.half_ring):
-            kv_empty = kv_full + HALF_SLOTS         # a pair per slot (mla_decode_fp8_kernel.py's half ring)
+            kv_empty = kv_full + HALF_SLOTS         # a pair per slot (the half ring)
             if tidx == 0:
                 for slot in cutlass.range_constexpr(HALF_SLOTS):
                     cute.arch.mbarrier_init(kv_full + slot, LOADER_THREADS)
@@ -316,3 +315,83 @@ class SparseMLAFP8Sm90:
             cp16(pe_stage + (r * D_PE + swz), kv_base + (row_off + RAW_WORDS + pc * 4), nbytes)
         # fires once this thread's copies so far have landed (the barrier counts 128 such arrivals)
         raw_pipe.producer_commit(state)
+
+
+def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, ctid, cw, sQ: cute.Tensor,
+                       sKV: cute.Tensor, sPE: cute.Tensor, sP: cute.Tensor, half_ring: bool = False):
+    """Consumer cw's wgmma operands over the FP8 kernels' smem (Q [64, 576]; the bf16 c_kv tile [64, 512];
+    the raw ring's k_pe [64, 64, stages]; P [64, 64]) and its accumulators (O zeroed), traced inline:
+    (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP). With `half_ring` the tile is
+    HALF_SLOTS slots [64, 256] and k_pe PE_STAGES buffers: K's and V's fragments take a last mode, the slot (K
+    16 k-steps of one column half, V^T this consumer's half)."""
+    thr_qk = tiled_mma_qk.get_slice(ctid)
+    thr_pv = tiled_mma_pv.get_slice(ctid)
+    sQ_nope = cute.local_tile(sQ, (TILE_M, D_V), (0, 0))
+    sQ_pe = cute.local_tile(sQ, (TILE_M, D_PE), (0, D_V // D_PE))
+    if half_ring:
+        sK_w = cute.local_tile(sKV, (HALF_N, HALF_V, HALF_SLOTS), (cw, 0, 0))
+        sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, PE_STAGES), (cw, 0, 0))
+        # V^T [256, 64 keys] of a slot as MN-major B: (column, key, slot) -> the slot's (key, column)
+        sVt_w = cute.composition(sKV, cute.make_layout((HALF_V, TILE_N, HALF_SLOTS),
+                                                       stride=(TILE_N, 1, TILE_N * HALF_V)))
+    else:
+        sK_w = cute.local_tile(sKV, (HALF_N, D_V), (cw, 0))
+        sKpe_w = cute.local_tile(sPE, (HALF_N, D_PE, RAW_STAGES), (cw, 0, 0))
+        # V^T [512, 64 keys] as MN-major B: (column, key) -> the tile's (key, column)
+        sVt = cute.composition(sKV, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+        sVt_w = cute.local_tile(sVt, (HALF_V, TILE_N), (cw, 0))
+    sP_w = cute.local_tile(sP, (TILE_M, HALF_N), (0, cw))
+    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, HALF_N)), Float32)
+    acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, HALF_V)), Float32)
+    acc_o.fill(0.0)
+    return (tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_nope)),
+            tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_pe)),
+            tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK_w)),
+            tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_w)),
+            tiled_mma_pv.make_fragment_A(thr_pv.partition_A(sP)),
+            tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVt_w)),
+            thr_qk.partition_C(sP_w), acc_s, acc_o,
+            thr_qk.partition_C(cute.make_identity_tensor((TILE_M, HALF_N))),
+            thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HALF_V))),
+            cute.make_fragment_like(acc_s, sQ.element_type))
+
+
+@cute.jit
+def _qk_half_ring(tiled_mma: cute.TiledMma, acc: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                  tSrQpe: cute.Tensor, tSrKpe: cute.Tensor, pe: Int32, kv_full: cute.Pointer, t: Int32):
+    """The half ring's S_w of tile t as one wgmma group, waited for: k_pe's k-steps from its buffer `pe`, then each
+    column half's from its slot (2 t + half) % HALF_SLOTS once the loader has handed it over."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    for k in cutlass.range_constexpr(cute.size(tSrQpe.shape[2])):
+        cute.gemm(atom, acc, tSrQpe[None, None, k], tSrKpe[None, None, k, pe], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    steps = cute.size(tSrK.shape[2])
+    for half in cutlass.range_constexpr(2):
+        use = 2 * t + half
+        slot = use % HALF_SLOTS
+        cute.arch.mbarrier_wait(kv_full + slot, (use // HALF_SLOTS) % 2)
+        for k in cutlass.range_constexpr(steps):
+            cute.gemm(atom, acc, tSrQ[None, None, half * steps + k], tSrK[None, None, k, slot], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+def fp8_split_storage(sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+                      sPE_layout: cute.ComposedLayout, sRaw_layout: cute.Layout, sP_layout: cute.ComposedLayout):
+    """The shared storage of the FP8 sparse MLA kernel with its split consumer pair:
+    the 1024-aligned buffers first (all multiples of 1 KB: no padding), the small arrays after them."""
+    @cute.struct
+    class SharedStorage:
+        sQ: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sQ_layout)], 1024]
+        sKV: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sKV_layout)], 1024]
+        sPE: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sPE_layout)], 1024]
+        sRaw: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sRaw_layout)], 1024]
+        sP: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sP_layout)], 1024]
+        raw_mbar: cute.struct.MemRange[cutlass.Int64, RAW_STAGES * 2]
+        q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+        kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_BLOCKS + 1]
+        row_stat: cute.struct.MemRange[Float32, TILE_M * 2]
+
+    return SharedStorage

@@ -1,10 +1,9 @@
-"""The math of the "split" consumer pair that three CuTe DSL kernels share: the FP8 dense decode
-(mla_decode_fp8_kernel.py), the bf16/fp16 sparse MLA (sparse_mla_kernel.py) and the FP8 sparse MLA
-(sparse_mla_fp8_kernel.py). (The bf16/fp16 dense decode, mla_decode_kernel.py, and the bf16/fp16 sparse
-seesaw kernel, sparse_mla_seesaw_kernel.py, have the seesaw instead; they share finish_rows, and the
-sparse one also move_row_max, exp_p, scale_rows, sparse_key_bias and store_sparse.) All of them store whole
-64-row blocks 16 bytes at a time after a transpose within each quad (store_block_16b; store_dense_block and
-store_sparse wrap it).
+"""The math of the "split" consumer pair that two CuTe DSL kernels share: the bf16/fp16 sparse MLA
+(sparse_mla_kernel.py) and the FP8 sparse MLA (sparse_mla_fp8_kernel.py). (The bf16/fp16 dense decode,
+mla_decode_kernel.py, and the bf16/fp16 sparse seesaw kernel, sparse_mla_seesaw_kernel.py, have the seesaw instead;
+they share finish_rows, and the sparse one also move_row_max, exp_p, scale_rows, sparse_key_bias and store_sparse.)
+All of them store whole 64-row blocks 16 bytes at a time after a transpose within each quad (store_block_16b;
+store_dense_block and store_sparse wrap it).
 
 Two consumer warpgroups (256 threads) share a 64-row tile: consumer w computes S_w for keys 32w..32w+32
 of the tile (a wgmma m64n32 accumulator) and O_w for columns 256w..256w+256. Each thread of a wgmma m64

@@ -8,7 +8,7 @@ perfectly balanced time (2 items per request: 1.19x and 1.03x).
 
 A grid of more programs than the SMs hold is list-scheduled the same way by the hardware, which starts
 programs in grid order as SMs free up: the grid kernels (triton's tl, 64-row Gluon, narrow and FP8-MMA kernels,
-the CuTe 64-row FP8 kernel) map their request axis through the same order when their grid takes more than one
+the CuTe kernels' grids) map their request axis through the same order when their grid takes more than one
 wave (`grid_order`). Measured on the H200 in interleaved A/Bs: 1.1-1.4x faster with variable lengths, 0.4-3%
 slower with fixed ones (this kernel's launch; bench/NOTES.md 52).
 
