@@ -319,7 +319,7 @@ class SparseMLAFP8Sm90:
 
 def _consumer_operands(tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, ctid, cw, sQ: cute.Tensor,
                        sKV: cute.Tensor, sPE: cute.Tensor, sP: cute.Tensor, half_ring: bool = False):
-    """Consumer cw's wgmma operands over the FP8 kernels' smem (Q [64, 576]; the bf16 c_kv tile [64, 512];
+    """Consumer cw's wgmma operands over the kernel's smem (Q [64, 576]; the bf16 c_kv tile [64, 512];
     the raw ring's k_pe [64, 64, stages]; P [64, 64]) and its accumulators (O zeroed), traced inline:
     (tSrQ, tSrQpe, tSrK, tSrKpe, tOrP, tOrV, tPsP, acc_s, acc_o, tScS, tOcO, rP). With `half_ring` the tile is
     HALF_SLOTS slots [64, 256] and k_pe PE_STAGES buffers: K's and V's fragments take a last mode, the slot (K
