@@ -476,6 +476,26 @@ def test_fp8_seesaw_long_requests_match_reference(lens, s_q, h, num_splits):
     assert ok, f"max abs err {max_err:.2e}: {why}"
 
 
+@pytest.mark.parametrize("lens, s_q, h, num_splits", [
+    ([8192] * 4, 1, 64, 1),                        # 128 pages a CTA: the smem ring of entries reused 8 times
+    ([1, 2, 63, 64, 65, 400, 513, 1025] + [1 + (389 * i) % 4096 for i in range(56)], 1, 128, None),
+    ([3000, 17, 64, 2000], 2, 64, 3),              # s_q 2, split partials (splits shorter than the copies' lead)
+    ([0, 129, 4100], 1, 96, 2),                    # an empty request, 96 rows
+], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
+def test_fp8_seesaw_block_table_in_smem_gives_the_same_bits(monkeypatch, lens, s_q, h, num_splits):
+    """mla_decode.FP8_SEESAW_BT_SMEM (the loader's block-table entries copied by cp.async into a ring in smem, 8
+    pages ahead, instead of read from global memory at each page's start): the same pages, so the same bits, on
+    requests of 0 to 128 pages with 0xFF-poisoned unused slots; and within the reference's tolerances."""
+    q, packed, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=3 * len(lens) + h)
+    monkeypatch.setattr(cd, "FP8_SEESAW_BT_SMEM", False)
+    out0, lse0 = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
+    monkeypatch.setattr(cd, "FP8_SEESAW_BT_SMEM", True)
+    out, lse = cd.mla_decode(q, packed, table, seqlens, check.SCALE, num_splits=num_splits)
+    ok, max_err, why = check.compare_fp8(out, lse, q, packed, table, seqlens, True)
+    assert ok, f"max abs err {max_err:.2e}: {why}"
+    assert torch.equal(out, out0) and torch.equal(lse, lse0), "FP8_SEESAW_BT_SMEM changed the bits"
+
+
 @pytest.mark.parametrize("b, h, num_splits", [(4, 128, None), (2, 16, 5), (64, 64, 1), (200, 128, 1)])
 def test_cuda_graph_replay_equals_eager(b, h, num_splits):
     lens = [1 + (977 * i) % 3000 for i in range(b)]

@@ -25,7 +25,7 @@ from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from mlaserve.kernels.cutedsl.fp8_dequant import EXP_120, _all_ones_if_lt, _bf16x2_hi
+from mlaserve.kernels.cutedsl.fp8_dequant import EXP_120, _all_ones_if_lt, _bf16x2_hi, _ld_shared_b32
 from mlaserve.kernels.cutedsl.fragment_ops import ld_global_v4_b32
 
 TILE_N = 64
@@ -40,6 +40,10 @@ WARP_ROWS = TILE_N // 4               # rows a loader warp converts a page
 GROUP_ROWS = 4                        # rows a warp's group of loads covers (module default: mla_decode sets its own)
 GROUPS_AHEAD = 3                      # groups loaded ahead of the one converted (module default, as above)
 PREFETCH = False                      # warp 0 asks L2 for the bytes of the page after next (module default, as above)
+BT_AHEAD = 8                          # bt_base: each page's block-table entry copied into smem this many pages before
+BT_SLOTS = 16                         # ... its first use, into a ring of this many words a warp
+BT_WORDS = LOADER_THREADS // 32 * BT_SLOTS   # ... and the rings of the loader's 4 warps
+assert 2 <= BT_AHEAD <= min(BT_SLOTS, 32), "the ring's first BT_AHEAD entries come from as many lanes at once"
 NZ = 0x80008000                       # -0.0 twice: the fma's addend
 SEL_SWAP = 0x4444                     # prmt selectors 0x9180 / 0xB3A2 (bytes of a) <-> 0xD5C4 / 0xF7E6 (of b)
 
@@ -97,21 +101,36 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
                         tPg: cute.Tensor, tPs: cute.Tensor, mBT: cute.Tensor, batch: Int32, first_page: Int32,
                         n_tiles: Int32, seqlen: Int32, start: Int32, stages: cutlass.Constexpr[int],
                         group_rows: cutlass.Constexpr[int] = GROUP_ROWS, ahead: cutlass.Constexpr[int] = GROUPS_AHEAD,
-                        prefetch: cutlass.Constexpr[bool] = PREFETCH):
+                        prefetch: cutlass.Constexpr[bool] = PREFETCH, bt_base: Int32 = None):
     """The loader warpgroup's part of one (request, split): its n_tiles pages from page index first_page of the
     block table into the ring (stages of [64, 576] bf16 from shared address skv_base), page t into stage t % stages
     once kv_pipe says it is free, then handed over on its full barrier. Loads go in groups of `group_rows` rows a
     warp, `ahead` groups ahead of the one converted. With `prefetch`, warp 0 asks L2 for page t + 2's bytes (one bulk
     prefetch of the whole page, the block-table entry the loads read ahead anyway) while it starts page t, so that the
     loads find them there: a thread's registers hold too few bytes in flight to cover the trip from DRAM (Little's
-    law), the prefetch engine's requests hold none."""
+    law), the prefetch engine's requests hold none. With `bt_base` (the shared address of BT_WORDS words) each warp
+    copies the block table into a ring of its own by cp.async (lane 0, one 4-byte entry a page, BT_AHEAD pages before
+    its first use), and reads each page's entries from there: read from global memory at each page's start, page
+    t + 2's entry went at once into a uniform register (ptxas's R2UR, in all four warps), which held each warp for the
+    read's trip every page (ncu: 21% of the loader's stall samples at b128 h64 8k, bench/NOTES.md 160)."""
     groups = WARP_ROWS // group_rows
     lc = LaneConsts(warp_idx, tidx % 32)
     page = Int32(0)              # an n_tiles of 0 loads page 0's first groups, which exist, and uses none of them
     nxt = Int32(0)
+    bt_row = mBT.iterator.toint() + Int64(batch * mBT.shape[1] + first_page) * 4
     if n_tiles > 0:
-        page = mBT[batch, first_page]
-        nxt = mBT[batch, first_page + cutlass.min(1, n_tiles - 1)]
+        if const_expr(bt_base is not None):
+            # pages 0 .. BT_AHEAD - 1 (the last page past the split's end) by lanes 0 .. BT_AHEAD - 1, waited for
+            ring = bt_base + tidx // 32 * (4 * BT_SLOTS)
+            if tidx % 32 < BT_AHEAD:
+                cp_async_b32(ring + tidx % 32 * 4, bt_row + Int64(cutlass.min(tidx % 32, n_tiles - 1)) * 4)
+            cp_async_commit_wait(0)
+            cute.arch.sync_warp()
+            page = _ld_shared_b32(ring)
+            nxt = _ld_shared_b32(ring + 4 * cutlass.min(1, n_tiles - 1))
+        else:
+            page = mBT[batch, first_page]
+            nxt = mBT[batch, first_page + cutlass.min(1, n_tiles - 1)]
     addr = kv_addr + Int64(page) * PAGE_BYTES
     loaded = [load_group(lc, addr, j, group_rows) for j in range(ahead)]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
@@ -119,7 +138,18 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
         if warp_idx == 0 and n_tiles > 1:
             prefetch_l2(kv_addr + Int64(nxt) * PAGE_BYTES, PAGE_BYTES)
     for t in cutlass.range(n_tiles, unroll=1):
-        later = mBT[batch, first_page + cutlass.min(t + 2, n_tiles - 1)]
+        if const_expr(bt_base is not None):
+            # page t + BT_AHEAD's entry into its slot; then the copies of the pages up to t + 2 are complete (at most
+            # BT_AHEAD - 2 younger groups pending) and page t + 2's entry is read
+            ring = bt_base + tidx // 32 * (4 * BT_SLOTS)
+            if tidx % 32 == 0:
+                cp_async_b32(ring + (t + BT_AHEAD) % BT_SLOTS * 4,
+                             bt_row + Int64(cutlass.min(t + BT_AHEAD, n_tiles - 1)) * 4)
+            cp_async_commit_wait(BT_AHEAD - 2)
+            cute.arch.sync_warp()
+            later = _ld_shared_b32(ring + (t + 2) % BT_SLOTS * 4)
+        else:
+            later = mBT[batch, first_page + cutlass.min(t + 2, n_tiles - 1)]
         if const_expr(prefetch):
             if warp_idx == 0 and t + 2 < n_tiles:
                 prefetch_l2(kv_addr + Int64(later) * PAGE_BYTES, PAGE_BYTES)
@@ -149,6 +179,21 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
         addr = nxt_addr
         page = nxt
         nxt = later
+
+
+@dsl_user_op
+def cp_async_b32(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
+    """cp.async of the 4 bytes at global address `src` to shared address `dst` (in this thread's open group)."""
+    llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
+                    "cp.async.ca.shared.global [$0], [$1], 4;", "r,l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def cp_async_commit_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Closes this thread's cp.async group, then waits until at most `pending` of its groups are incomplete."""
+    llvm.inline_asm(None, [], f"cp.async.commit_group;\ncp.async.wait_group {pending};", "",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op

@@ -228,6 +228,10 @@ FP8_SEESAW_GROUP_ROWS = 4
 FP8_SEESAW_AHEAD = 3
 # ... and whether its warp 0 asks L2 for the bytes of the page after next (a bulk prefetch a page)
 FP8_SEESAW_PREFETCH = True
+# ... and whether its warps take the pages' block-table entries from windows in smem (each lane reading one entry
+# every 30 pages), where a read of each page's entry from global memory at the page's start held all four warps
+# for its trip (fp8_register_loader; bench/NOTES.md 160). Not yet timed on a GPU (off)
+FP8_SEESAW_BT_SMEM = False
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
@@ -473,7 +477,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
     if kv_fp8 and narrow == 32 and not FP8_N32_TWO_TILES:
         key += ("one-tile",)
     if kv_fp8 and not narrow:
-        key += ("fp8-seesaw", f"groups={FP8_SEESAW_GROUP_ROWS}x{FP8_SEESAW_AHEAD}", f"prefetch={FP8_SEESAW_PREFETCH}")
+        key += ("fp8-seesaw", f"groups={FP8_SEESAW_GROUP_ROWS}x{FP8_SEESAW_AHEAD}", f"prefetch={FP8_SEESAW_PREFETCH}",
+                f"bt-smem={FP8_SEESAW_BT_SMEM}")
     if fp8_mma:
         if not (kv_fp8 and narrow == 16):
             raise ValueError(f"the FP8-MMA kernel takes FP8 KV at 16 rows, got kv_fp8={kv_fp8}, narrow={narrow}")
@@ -521,7 +526,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             fn = cute.compile(kmod.MLADecodeFP8SeesawSm90(causal=causal, is_split=split, ordered=ordered,
                                                           store16=store16, group_rows=FP8_SEESAW_GROUP_ROWS,
                                                           groups_ahead=FP8_SEESAW_AHEAD,
-                                                          prefetch=FP8_SEESAW_PREFETCH, **seesaw),
+                                                          prefetch=FP8_SEESAW_PREFETCH,
+                                                          bt_smem=FP8_SEESAW_BT_SMEM, **seesaw),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif kv_fp8 and narrow:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_narrow_kernel")

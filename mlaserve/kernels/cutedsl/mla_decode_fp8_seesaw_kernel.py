@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import cpasync
 from mlaserve.kernels.cutedsl.common import register_split_fits
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, ROPE_ELEMS, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fp8_register_loader import (
-    GROUP_ROWS, GROUPS_AHEAD, LOADER_THREADS, PREFETCH, WARP_ROWS, fp8_register_loader)
+    BT_WORDS, GROUP_ROWS, GROUPS_AHEAD, LOADER_THREADS, PREFETCH, WARP_ROWS, fp8_register_loader)
 from mlaserve.kernels.cutedsl.mla_decode_kernel import THREADS, MLADecodeSm90
 from mlaserve.kernels.cutedsl.request_rows import grid_request, ordered_tensors, page_split
 from mlaserve.kernels.cutedsl.seesaw_consumers import (
@@ -48,13 +48,15 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
 
     def __init__(self, causal: bool, is_split: bool, ordered: bool = False, store16: bool = False,
                  lazy_rescale: bool = False, fold_scale: bool = False, tree_max: bool = False, spec_exp: bool = False,
-                 group_rows: int = GROUP_ROWS, groups_ahead: int = GROUPS_AHEAD, prefetch: bool = PREFETCH):
+                 group_rows: int = GROUP_ROWS, groups_ahead: int = GROUPS_AHEAD, prefetch: bool = PREFETCH,
+                 bt_smem: bool = False):
         if WARP_ROWS % group_rows or not 0 < groups_ahead <= WARP_ROWS // group_rows:
             raise ValueError(f"the loader's groups of {group_rows} rows must divide its {WARP_ROWS} rows a warp, and "
                              f"1 to all of them may be ahead, got {groups_ahead}")
         self.group_rows = group_rows      # the loader's loads: groups of this many rows a warp ...
         self.groups_ahead = groups_ahead  # ... this many ahead of the one it converts (fp8_register_loader)
         self.prefetch = prefetch          # the loader asks L2 for the page after next
+        self.bt_smem = bt_smem            # ... and takes the pages' block-table entries from windows in smem
         super().__init__(cutlass.BFloat16, causal, is_split, store16=store16, early_sums=True,
                          lazy_rescale=lazy_rescale, fold_scale=fold_scale, tree_max=tree_max, spec_exp=spec_exp,
                          ordered=ordered)
@@ -85,7 +87,8 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
         tma_pe, mPE_tma = cpasync.make_tiled_tma_atom(tma_op, mRope, sPE_layout, (TILE_N, D_PE))
         tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs = seesaw_tiled_mmas(self.dtype)
 
-        self.shared_storage = self._grid_storage(NUM_STAGES * 2, sQ_layout, sKV_layout, sP_layout)
+        self.shared_storage = self._grid_storage(NUM_STAGES * 2, sQ_layout, sKV_layout, sP_layout,
+                                                 BT_WORDS if self.bt_smem else 1)
         self.fp8_kernel(tma_q, mQ_tma, tma_pe, mPE_tma, kv_ptr.toint(), mBT, mSeqlens, mOut, mLse, mPO, mPL,
                         s_q, h, rows, num_splits, scale_log2, sQ_layout, sKV_layout, sP_layout,
                         tiled_mma_qk, tiled_mma_pv, tiled_mma_pv_rs).launch(
@@ -137,7 +140,8 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
                 cute.copy(tma_q, tQg, tQs, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             fp8_register_loader(tidx, warp_idx, kv_addr, storage.sKV.data_ptr().toint(), kv_pipe, tma_pe, tPg, tPs,
                                 mBT, batch, start // TILE_N, n_tiles, seqlen, start, NUM_STAGES, self.group_rows,
-                                self.groups_ahead, self.prefetch)
+                                self.groups_ahead, self.prefetch,
+                                storage.extra.data_ptr().toint() if const_expr(self.bt_smem) else None)
         else:
             # ---------------- consumers: the bf16 kernel's ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)

@@ -460,9 +460,10 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
     # -- what the grid kernels share (this one and the FP8 seesaw, mla_decode_fp8_seesaw_kernel.py) --
 
     def _grid_storage(self, kv_barriers: int, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-                      sP_layout: cute.ComposedLayout):
-        """The smem of a grid launch: kv_barriers mbarriers of the KV ring, Q's pair, the row statistics, Q, the
-        ring and P."""
+                      sP_layout: cute.ComposedLayout, extra_words: int = 1):
+        """The smem of a grid launch: kv_barriers mbarriers of the KV ring, Q's pair, the row statistics, `extra_words`
+        words for the kernel's own use (the FP8 seesaw's block-table rings; one unused word where a kernel needs none,
+        which sits in the padding before Q's 1024-byte alignment, so that nothing moves), Q, the ring and P."""
 
         @cute.struct
         class SharedStorage:
@@ -470,6 +471,7 @@ class MLADecodeSm90(SeesawProducer, SeesawConsumer):
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             row_max: cute.struct.MemRange[Float32, TILE_M]
             row_sum: cute.struct.MemRange[Float32, TILE_M * 4]
+            extra: cute.struct.MemRange[Int32, extra_words]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
