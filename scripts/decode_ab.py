@@ -33,8 +33,8 @@ switches, read at launch (so captured with each graph):
                  the scales applied to the groups' accumulators in fp32, against each K value scaled in f16
   FP8_SEESAW_PREFETCH  cutedsl: FP8 at more than 32 rows (the seesaw's register-path loader) asking L2 for the page
                  after next against not
-  FP8_SEESAW_BT_SMEM  cutedsl: that loader taking the pages' block-table entries from windows in smem against a global
-                 read at each page's start
+  FP8_SEESAW_BT_SMEM  cutedsl: that loader taking the pages' block-table entries from a cp.async ring in smem against
+                 a global read at each page's start
   STORE_16B      cutedsl: O in 16-byte stores after a transpose within each quad against the accumulator's
                  4-byte pairs (bf16 KV, and FP8 at more than 32 rows)
   SPARSE_STORE_16B  cutedsl sparse MLA: the same for its blocks of 64 heads (sparse shapes)

@@ -228,9 +228,9 @@ FP8_SEESAW_GROUP_ROWS = 4
 FP8_SEESAW_AHEAD = 3
 # ... and whether its warp 0 asks L2 for the bytes of the page after next (a bulk prefetch a page)
 FP8_SEESAW_PREFETCH = True
-# ... and whether its warps take the pages' block-table entries from windows in smem (each lane reading one entry
-# every 30 pages), where a read of each page's entry from global memory at the page's start held all four warps
-# for its trip (fp8_register_loader; bench/NOTES.md 160). Not yet timed on a GPU (off)
+# ... and whether its warps take the pages' block-table entries from rings in smem (each warp's lane 0 copying one
+# entry a page by cp.async, 8 pages ahead), where a read of each page's entry from global memory at the page's start
+# held all four warps for its trip (fp8_register_loader; bench/NOTES.md 160). Not yet timed on a GPU (off)
 FP8_SEESAW_BT_SMEM = False
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles

@@ -56,7 +56,7 @@ class MLADecodeFP8SeesawSm90(MLADecodeSm90):
         self.group_rows = group_rows      # the loader's loads: groups of this many rows a warp ...
         self.groups_ahead = groups_ahead  # ... this many ahead of the one it converts (fp8_register_loader)
         self.prefetch = prefetch          # the loader asks L2 for the page after next
-        self.bt_smem = bt_smem            # ... and takes the pages' block-table entries from windows in smem
+        self.bt_smem = bt_smem            # ... and takes the pages' block-table entries from a ring in smem
         super().__init__(cutlass.BFloat16, causal, is_split, store16=store16, early_sums=True,
                          lazy_rescale=lazy_rescale, fold_scale=fold_scale, tree_max=tree_max, spec_exp=spec_exp,
                          ordered=ordered)
