@@ -124,7 +124,8 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
             ring = bt_base + tidx // 32 * (4 * BT_SLOTS)
             if tidx % 32 < BT_AHEAD:
                 cp_async_b32(ring + tidx % 32 * 4, bt_row + Int64(cutlass.min(tidx % 32, n_tiles - 1)) * 4)
-            cp_async_commit_wait(0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
             page = _ld_shared_b32(ring)
             nxt = _ld_shared_b32(ring + 4 * cutlass.min(1, n_tiles - 1))
@@ -145,7 +146,8 @@ def fp8_register_loader(tidx: Int32, warp_idx: Int32, kv_addr: Int64, skv_base: 
             if tidx % 32 == 0:
                 cp_async_b32(ring + (t + BT_AHEAD) % BT_SLOTS * 4,
                              bt_row + Int64(cutlass.min(t + BT_AHEAD, n_tiles - 1)) * 4)
-            cp_async_commit_wait(BT_AHEAD - 2)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(BT_AHEAD - 2)
             cute.arch.sync_warp()
             later = _ld_shared_b32(ring + (t + 2) % BT_SLOTS * 4)
         else:
@@ -186,13 +188,6 @@ def cp_async_b32(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
     """cp.async of the 4 bytes at global address `src` to shared address `dst` (in this thread's open group)."""
     llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
                     "cp.async.ca.shared.global [$0], [$1], 4;", "r,l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def cp_async_commit_wait(pending: int, *, loc=None, ip=None) -> None:
-    """Closes this thread's cp.async group, then waits until at most `pending` of its groups are incomplete."""
-    llvm.inline_asm(None, [], f"cp.async.commit_group;\ncp.async.wait_group {pending};", "",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
