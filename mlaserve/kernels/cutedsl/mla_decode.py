@@ -230,8 +230,9 @@ FP8_SEESAW_AHEAD = 3
 FP8_SEESAW_PREFETCH = True
 # ... and whether its warps take the pages' block-table entries from rings in smem (each warp's lane 0 copying one
 # entry a page by cp.async, 8 pages ahead), where a read of each page's entry from global memory at the page's start
-# held all four warps for its trip (fp8_register_loader; bench/NOTES.md 160). Not yet timed on a GPU (off)
-FP8_SEESAW_BT_SMEM = False
+# held all four warps for its trip (fp8_register_loader; bench/NOTES.md 160). H100, b128, 15 rounds: 1.007-1.015x
+# at h64 4k-32k and h128 s_q 1-2 8k (NOTES 161)
+FP8_SEESAW_BT_SMEM = True
 # FP8 KV at <= 16 rows where each split spans at least CONFIG.fp8_mma_min_pages pages: the keys-on-M kernel with FP8
 # wgmma on the e4m3 bytes (mla_decode_fp8_mma_kernel.py) instead of the one that dequantizes them into bf16 tiles
 # (mla_decode_fp8_narrow_kernel.py). On the H200 (bench/NOTES.md 69, 72), after 6fb790e: against the bf16-tile
