@@ -42,18 +42,28 @@ def test_batch_with_preemption_equals_alone_fp32(builtin_path):
     assert llm.engine.leaked_pages() == []
 
 
-def test_pool_sized_from_free_memory_and_default_backends_bf16(builtin_path):
+def test_pool_sized_from_free_memory_and_default_backends_bf16(builtin_path, monkeypatch):
     from mlaserve import LLM, SamplingParams
     from mlaserve.engine.kv_pool import KVPool
     torch.cuda.empty_cache()
-    free_before, _ = torch.cuda.mem_get_info()
+    # the free memory the engine itself reads: measured here before the LLM, it moved under pytest-xdist's other
+    # workers on the same GPU (a pool 1% over 5% of an earlier reading failed the test, nothing wrong in the engine)
+    seen = []
+    mem_get_info = torch.cuda.mem_get_info
+
+    def spy(*args, **kwargs):
+        free, total = mem_get_info(*args, **kwargs)
+        seen.append(free)
+        return free, total
+    monkeypatch.setattr(torch.cuda, "mem_get_info", spy)
     llm = LLM(builtin_path, device="cuda", dtype="bfloat16", attention_backend="auto", page_size=64,
               mem_fraction_static=0.05)
+    monkeypatch.undo()
     engine = llm.engine
     per_page = KVPool.bytes_per_page(**engine.model.kv_pool_spec(), page_size=64, dtype=torch.bfloat16)
     pages = engine.stats()["pages_total"] + 1
-    assert pages * per_page <= 0.05 * free_before
-    assert pages * per_page >= 0.04 * free_before       # the model itself takes a few MB of the free memory
+    assert seen, "the engine did not read the GPU's free memory"
+    assert pages in {int(free * 0.05) // per_page for free in seen}, (pages, per_page, seen)
     prompts = prompts_of(llm.tokenizer, 32)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.7, top_p=0.9,
                                                                                    max_tokens=32, ignore_eos=True))
