@@ -101,23 +101,29 @@ else None, torch.cuda.device_count(), 'devices')"
   grep -E "^== versions" -A1 "$LOG" | tail -1
 fi
 
-# -- CuTe DSL, in two calls on a warm machine (its library is larger than one call may carry) --
+# -- CuTe DSL, in one call per part on a warm machine (its library is larger than one call may carry) --
 #   run(command="PHASES=env,cutedsl1 bash scripts/device_run.sh", carry=[".cutedsl/part00", ".peers/GIT_COMMIT"])
+#   run(command="PHASES=env,cutedsl1 bash scripts/device_run.sh", carry=[".cutedsl/part01", ".peers/GIT_COMMIT"])
 #   run(command="PHASES=env,cutedsl2,... bash scripts/device_run.sh",
-#       carry=[".cutedsl/part01", ".cutedsl/wheels", ".peers/GIT_COMMIT"])
-# within 30 s of each other; later calls on that machine find it in /tmp/site and put it on the path. A call carries
-# 64 MiB with the working tree (~30 MB, most of it bench/results): part00 (31 MB) and the wheels (4.5 MB) together
-# no longer fit beside it, so the wheels travel with part01 (either call copies them where carried); part01 leaves
-# no room for the peers, so e.g. FlashMLA (.peers/flashmla) comes in a later call with PHASES=env,install,bench.
-copy_wheels() { if ls .cutedsl/wheels/*.whl >/dev/null 2>&1; then cp .cutedsl/wheels/*.whl /tmp/cutedsl/; fi; }
+#       carry=[".cutedsl/part02", ".cutedsl/wheels", ".peers/GIT_COMMIT"])
+# each within 30 s of the last; later calls on that machine find it in /tmp/site and put it on the path. A call
+# carries 64 MiB with the working tree (~32 MB, most of it bench/results, growing with each committed run): the
+# compressed library (~63.5 MB) goes in as many parts as scripts/pack_for_device.sh cut (CUTEDSL_PARTS, 3 since the
+# tree grew past 32 MB: two parts of 31-34.5 MB left no room), cutedsl1 keeping each carried part (and the wheels,
+# wherever they travel) in /tmp/cutedsl, cutedsl2 keeping the last and unpacking them all in order. The last part's
+# call has ~17 MB of room: the peers (e.g. .peers/flashmla) still come in a later call with PHASES=env,install,bench.
+keep_parts() {
+  mkdir -p /tmp/cutedsl
+  for f in .cutedsl/part*; do if [ -f "$f" ]; then cp "$f" /tmp/cutedsl/; fi; done
+  if ls .cutedsl/wheels/*.whl >/dev/null 2>&1; then cp .cutedsl/wheels/*.whl /tmp/cutedsl/; fi
+  ls /tmp/cutedsl
+}
 if has_phase cutedsl1; then
-  run_phase cutedsl-part0 "$(limit 120)" "$LOG" bash -c \
-    "mkdir -p /tmp/cutedsl && cp .cutedsl/part00 /tmp/cutedsl/ && $(declare -f copy_wheels); copy_wheels"
+  run_phase cutedsl-part "$(limit 120)" "$LOG" bash -c "$(declare -f keep_parts); keep_parts"
 fi
 if has_phase cutedsl2; then
   run_phase cutedsl-unpack "$(limit 240)" "$LOG" bash -c \
-    "mkdir -p /tmp/cutedsl /tmp/site && $(declare -f copy_wheels); copy_wheels && \
-     cat /tmp/cutedsl/part00 .cutedsl/part01 | tar -xJf - -C /tmp/site && \
+    "$(declare -f keep_parts); keep_parts && mkdir -p /tmp/site && cat /tmp/cutedsl/part* | tar -xJf - -C /tmp/site && \
      for w in /tmp/cutedsl/*.whl; do python3 -m zipfile -e \"\$w\" /tmp/site || exit 1; done"
 fi
 if [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]; then

@@ -71,10 +71,12 @@ else
 fi
 
 # CuTe DSL (issue 7), only when asked: CUTEDSL=1. Its compiler library is over one call's 64 MiB even
-# compressed, so it lives apart in .cutedsl/ (part00 + wheels travel in one call, part01 in the next, on a
-# warm machine: scripts/device_run.sh's phases cutedsl1 and cutedsl2 say how). About 4 minutes of xz here.
+# compressed, so it lives apart in .cutedsl/, cut into CUTEDSL_PARTS parts (default 3) that travel one call each on
+# a warm machine, the wheels with the last (scripts/device_run.sh's phases cutedsl1 and cutedsl2 say how). The
+# shared packing tool cuts two parts of 31 MB; beside a working tree past 32 MB one of them no longer fits a call,
+# so they are joined and cut again here. About 4 minutes of xz here the first time.
 if [ "${CUTEDSL:-0}" = 1 ]; then
-  if ls .cutedsl/part00 .cutedsl/part01 .cutedsl/wheels/*.whl >/dev/null 2>&1; then
+  if ls .cutedsl/part00 .cutedsl/wheels/*.whl >/dev/null 2>&1; then
     echo "cutedsl: already packed"
   else
     cutedsl_tool=""
@@ -84,6 +86,16 @@ if [ "${CUTEDSL:-0}" = 1 ]; then
     if [ -z "$cutedsl_tool" ]; then echo "cutedsl: pack-cutedsl-for-device.sh not found" >&2; exit 1; fi
     bash "$cutedsl_tool" "$root/.cutedsl"
   fi
+  want=${CUTEDSL_PARTS:-3}
+  parts=(.cutedsl/part*)
+  if [ "${#parts[@]}" -ne "$want" ]; then
+    cat "${parts[@]}" > .cutedsl/joined.tmp
+    rm -f "${parts[@]}"
+    size=$(( ($(stat -c %s .cutedsl/joined.tmp) + want - 1) / want ))
+    split -b "$size" -d -a 2 .cutedsl/joined.tmp .cutedsl/part
+    rm .cutedsl/joined.tmp
+  fi
+  ls -l .cutedsl/part* | awk '{print "cutedsl: " $NF " " $5 " bytes"}'
 fi
 
 commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
