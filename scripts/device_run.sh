@@ -111,7 +111,8 @@ fi
 # compressed library (~63.5 MB) goes in as many parts as scripts/pack_for_device.sh cut (CUTEDSL_PARTS, 3 since the
 # tree grew past 32 MB: two parts of 31-34.5 MB left no room), cutedsl1 keeping each carried part (and the wheels,
 # wherever they travel) in /tmp/cutedsl, cutedsl2 keeping the last and unpacking them all in order. The last part's
-# call has ~9 MB of room (the others ~13): the peers (e.g. .peers/flashmla) still come in a later call with PHASES=env,install,bench.
+# call has ~9 MB of room (the others ~13): the peers (e.g. .peers/flashmla) still come in a later call with
+# PHASES=env,install,bench.
 keep_parts() {
   mkdir -p /tmp/cutedsl
   for f in .cutedsl/part*; do if [ -f "$f" ]; then cp "$f" /tmp/cutedsl/; fi; done
