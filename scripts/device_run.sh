@@ -57,6 +57,8 @@ PHASES=",${PHASES:-env,install,pytest,bench},"
 SUMMARY=()
 
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# where carried packages are unpacked, and where the DSL's parts wait for the last (tests/test_device_run.py moves them)
+export DEVICE_SITE=${DEVICE_SITE:-/tmp/site} DEVICE_STAGE=${DEVICE_STAGE:-/tmp/cutedsl}
 # the commit scripts/pack_for_device.sh recorded (run it right before each call): results carry it
 if [ -f .peers/GIT_COMMIT ]; then export MLASERVE_GIT_COMMIT=$(cat .peers/GIT_COMMIT); fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -114,47 +116,50 @@ fi
 # call has ~9 MB of room (the others ~13): the peers (e.g. .peers/flashmla) still come in a later call with
 # PHASES=env,install,bench.
 keep_parts() {
-  mkdir -p /tmp/cutedsl
-  for f in .cutedsl/part*; do if [ -f "$f" ]; then cp "$f" /tmp/cutedsl/; fi; done
-  if ls .cutedsl/wheels/*.whl >/dev/null 2>&1; then cp .cutedsl/wheels/*.whl /tmp/cutedsl/; fi
-  ls /tmp/cutedsl
+  mkdir -p "$DEVICE_STAGE"
+  for f in .cutedsl/part*; do if [ -f "$f" ]; then cp "$f" "$DEVICE_STAGE/"; fi; done
+  if ls .cutedsl/wheels/*.whl >/dev/null 2>&1; then cp .cutedsl/wheels/*.whl "$DEVICE_STAGE/"; fi
+  ls "$DEVICE_STAGE"
 }
 if has_phase cutedsl1; then
   run_phase cutedsl-part "$(limit 120)" "$LOG" bash -c "$(declare -f keep_parts); keep_parts"
 fi
 if has_phase cutedsl2; then
   run_phase cutedsl-unpack "$(limit 240)" "$LOG" bash -c \
-    "$(declare -f keep_parts); keep_parts && mkdir -p /tmp/site && cat /tmp/cutedsl/part* | tar -xJf - -C /tmp/site && \
-     for w in /tmp/cutedsl/*.whl; do python3 -m zipfile -e \"\$w\" /tmp/site || exit 1; done"
+    "$(declare -f keep_parts); rm -f $DEVICE_SITE/.cutedsl-unpacked; keep_parts && mkdir -p $DEVICE_SITE && \
+     cat $DEVICE_STAGE/part* | tar -xJf - -C $DEVICE_SITE && \
+     for w in $DEVICE_STAGE/*.whl; do python3 -m zipfile -e \"\$w\" $DEVICE_SITE || exit 1; done && \
+     touch $DEVICE_SITE/.cutedsl-unpacked"
 fi
-if [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]; then
+# only a whole unpack goes on the path: a part missing leaves a half-written tree that would import as garbage
+if [ -f "$DEVICE_SITE/.cutedsl-unpacked" ]; then
   # the package adds these through a .pth file, which --target installs do not read
-  export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
+  export PYTHONPATH="$PYTHONPATH:$DEVICE_SITE:$DEVICE_SITE/nvidia_cutlass_dsl/dsl_packages"
   where=$(python3 -c 'import cutlass, sys; sys.stdout.write(cutlass.__file__)' 2>&1 | tail -c 200)
   say "== cutedsl: on the path ($where)"
 fi
 
 # -- install: FlashInfer (pruned package + tvm-ffi wheel) and any carried wheels into /tmp/site --
 if has_phase install; then
-  mkdir -p /tmp/site
+  mkdir -p "$DEVICE_SITE"
   if [ -f .peers/flashinfer/flashinfer-pruned.tar.xz ]; then
     run_phase install-flashinfer "$(limit 120)" "$LOG" bash -c \
-      "tar -xJf .peers/flashinfer/flashinfer-pruned.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
-       --no-deps --no-compile --no-cache-dir --target /tmp/site .peers/flashinfer/apache_tvm_ffi-*.whl"
+      "tar -xJf .peers/flashinfer/flashinfer-pruned.tar.xz -C $DEVICE_SITE && python3 -m pip install -q --no-index \
+       --no-deps --no-compile --no-cache-dir --target $DEVICE_SITE .peers/flashinfer/apache_tvm_ffi-*.whl"
   else
     say "== install-flashinfer: .peers/flashinfer not carried (run scripts/pack_for_device.sh, carry .peers)"
   fi
   if ls .peers/flashmla/sgl_flash_mla-*.whl >/dev/null 2>&1; then
     # --no-deps: its metadata asks for torch >= 2.14.1, but it loads through torch's stable ABI (peers.py)
     run_phase install-flashmla "$(limit 60)" "$LOG" python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --target /tmp/site .peers/flashmla/sgl_flash_mla-*.whl
+      --no-cache-dir --target $DEVICE_SITE .peers/flashmla/sgl_flash_mla-*.whl
   fi
   if ls .peers/wheels/*.whl >/dev/null 2>&1; then
     run_phase install-wheels "$(limit 120)" "$LOG" python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade --target /tmp/site .peers/wheels/*.whl
+      --no-cache-dir --upgrade --target $DEVICE_SITE .peers/wheels/*.whl
   fi
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  if [ -d /tmp/site/flashinfer ] && has_phase bench; then
+  export PYTHONPATH="$PYTHONPATH:$DEVICE_SITE"
+  if [ -d "$DEVICE_SITE/flashinfer" ] && has_phase bench; then
     # JIT-build FlashInfer's MLA modules (bf16, fp8) while the GPU tests run; the bench reuses its disk cache
     say "== flashinfer warm-up started in the background (log /tmp/fi_warm.log, copied into device.log)"
     timeout -k 10 "$(limit 300)" python3 -c "from mlaserve.bench.peers import warm_flashinfer; warm_flashinfer()" \
