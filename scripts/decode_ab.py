@@ -63,7 +63,7 @@ switches, read at launch (so captured with each graph):
   SPEC_EXP       cutedsl: 16-bit KV, the seesaw owner's P exponentiated against the running max while the tile's max
                  is found (kept where the lazy max does not move) against after it (on top of the defaults)
   CUTEDSL_BALANCED_SPLITS  cutedsl: steps of <= $DA_BALANCE_ROWS (default 64) rows a request planned with their host
-                    lengths (two splits where they balance a one-wave grid; mla_decode.BALANCE_SPLITS_MAX_ROWS)
+                    lengths (two splits where they balance a one-wave grid; decode_plan.BALANCE_SPLITS_MAX_ROWS)
                     against from shapes only
   GRID_ORDER_ALL    cutedsl: every grid of more than one wave (the 16-bit grid, the keys-on-M and FP8-MMA kernels,
                     split grids) takes its requests longest first against only the FP8 seesaw's unsplit ones
@@ -158,7 +158,7 @@ def _fp8_mma_force(on: bool):
 
 def _cutedsl_balance_rows(on: bool):
     """The CuTe DSL plan's host-length splits up to DA_BALANCE_ROWS (default 64) rows a request, against never."""
-    cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    cd = importlib.import_module("mlaserve.kernels.cutedsl.decode_plan")
     cd.BALANCE_SPLITS_MAX_ROWS = int(os.environ.get("DA_BALANCE_ROWS", "64")) if on else 0
 
 

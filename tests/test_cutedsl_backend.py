@@ -18,6 +18,7 @@ from mlaserve.kernels.triton.mla_decode import combine_splits
 from mlaserve.ops.registry import BACKENDS, PREFERENCE
 
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+decode_plan = importlib.import_module("mlaserve.kernels.cutedsl.decode_plan")
 CPU = torch.device("cpu")
 
 
@@ -42,11 +43,11 @@ def test_split_count_fills_one_wave(b, s_q, h, max_pages, want):
 
 
 def test_host_lengths_split_one_wave_of_few_rows(monkeypatch):
-    """With the step's host lengths, requests of <= mla_decode.BALANCE_SPLITS_MAX_ROWS rows (64 by default, and at
+    """With the step's host lengths, requests of <= decode_plan.BALANCE_SPLITS_MAX_ROWS rows (64 by default, and at
     most) that vary enough are split in two (triton's balanced_splits estimate, as on an H200's 132 SMs); fixed
     lengths, more rows, 128-row requests and steps without lengths keep the count from shapes; plan_mla_decode
     takes it."""
-    monkeypatch.setattr(cd, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_plan, "_num_sms", lambda device: 132)
     gen = torch.Generator().manual_seed(87)
     var = (8192 + (torch.rand(128, generator=gen) * 2 - 1) * 4096).long().tolist()
     pages = -(-max(var) // 64)
@@ -54,14 +55,14 @@ def test_host_lengths_split_one_wave_of_few_rows(monkeypatch):
     def splits(h, seqlens, s_q=1):
         return cd.plan_num_splits(128, s_q, h, pages, 64, False, CPU, seqlens=seqlens)
 
-    assert cd.BALANCE_SPLITS_MAX_ROWS == 64
+    assert decode_plan.BALANCE_SPLITS_MAX_ROWS == 64
     assert splits(16, var) == 2 and splits(32, var, s_q=2) == 2 and splits(64, var) == 2
-    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 16)
+    monkeypatch.setattr(decode_plan, "BALANCE_SPLITS_MAX_ROWS", 16)
     assert splits(16, var) == 2 and splits(8, var, s_q=2) == 2
     assert splits(32, var) == 1 == splits(64, var) == splits(16, var, s_q=2), "more rows than the bound"
-    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 0)
+    monkeypatch.setattr(decode_plan, "BALANCE_SPLITS_MAX_ROWS", 0)
     assert splits(16, var) == 1
-    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 128)
+    monkeypatch.setattr(decode_plan, "BALANCE_SPLITS_MAX_ROWS", 128)
     assert cd.plan_mla_decode(128, 1, 16, 512, pages, 64, False, CPU, seqlens=var).num_splits == 2
     assert splits(64, var) == 2
     assert splits(16, [8192] * 128) == 1, "fixed lengths"

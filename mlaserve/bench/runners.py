@@ -193,11 +193,11 @@ def _host_splits(name: str, shape: DenseShape, paging, device: torch.device) -> 
     """The triton or cutedsl decode's split count planned from the requests' lengths on the host, as their attention
     backends plan each step (and FlashInfer's peer plans with its host lengths): a getter, the count worked out
     here, outside any timing, and again only when a balancing flag changes (triton's mla_decode_plan.BALANCE_SPLITS,
-    which both planners' balanced_splits reads, and the cutedsl module's BALANCE_SPLITS_MAX_ROWS; decode_ab's
+    which both planners' balanced_splits reads, and the cutedsl planner's BALANCE_SPLITS_MAX_ROWS; decode_ab's
     BALANCED_SPLITS and CUTEDSL_BALANCED_SPLITS switches). Each call still makes its own plan (workspace) from that
     count."""
     from mlaserve.kernels.triton import mla_decode_plan
-    planner = mla_decode_plan if name == "triton" else importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+    planner = mla_decode_plan if name == "triton" else importlib.import_module("mlaserve.kernels.cutedsl.decode_plan")
     counts = {}
 
     def splits() -> int:

@@ -24,6 +24,7 @@ _spec = importlib.util.spec_from_file_location(
 check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check)
 cd = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode")
+decode_plan = importlib.import_module("mlaserve.kernels.cutedsl.decode_plan")
 
 
 def assert_reference(out, lse, q, kv, table, seqlens, what: str = ""):
@@ -361,13 +362,13 @@ def test_kv_prefetch_gives_the_same_bits(monkeypatch, b, s_q, h, num_splits, min
 @pytest.mark.parametrize("h, s_q, fp8", [(16, 1, False), (64, 1, False), (16, 1, True), (16, 2, True),
                                          (64, 1, True)])
 def test_balanced_splits_match_reference(monkeypatch, h, s_q, fp8):
-    """mla_decode.BALANCE_SPLITS_MAX_ROWS (64 here): a one-wave step of <= 64-row requests of varied lengths
+    """decode_plan.BALANCE_SPLITS_MAX_ROWS (64 here): a one-wave step of <= 64-row requests of varied lengths
     (4096 +- 50%), planned with its host lengths, runs as two splits a request (the 16-bit kernels, the f16-register
     FP8 kernel and the FP8 seesaw, split), NaN-poisoned unused slots: within the reference's tolerances.
     FP8: the reference on the values each kernel multiplies, the cache's exact entries where the f16-register kernel
     runs (it rounds each e4m3 * scale to f16), else the entries dequantized to bf16 (the seesaw's ring). At
     h16 s_q2 the two references differ by more than the tolerance at 2 of 2 M outputs (bench/NOTES.md 134)."""
-    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64)
+    monkeypatch.setattr(decode_plan, "BALANCE_SPLITS_MAX_ROWS", 64)
     b = min(128, torch.cuda.get_device_properties(0).multi_processor_count)
     gen = torch.Generator().manual_seed(h + s_q + fp8)
     lens = (4096 + (torch.rand(b, generator=gen) * 2 - 1) * 2048).long().tolist()
@@ -399,7 +400,7 @@ def test_ordered_grids_equal_batch_order(monkeypatch, b, h, s_q, fp8, fp8_mma, s
     (split) or partial out's: the 16-bit grid, the FP8-MMA, keys-on-M (n 16, 32) and FP8 seesaw kernels. Varied
     lengths (empty and one-token requests among them), NaN-poisoned slots: the reference's tolerances, and the bits
     of the launch in batch order."""
-    monkeypatch.setattr(cd, "BALANCE_SPLITS_MAX_ROWS", 64 if split else 0)
+    monkeypatch.setattr(decode_plan, "BALANCE_SPLITS_MAX_ROWS", 64 if split else 0)
     monkeypatch.setattr(cd, "uses_fp8_mma", lambda kv_fp8, rows, max_pages, num_splits:
                         fp8_mma and kv_fp8 and cd.fp8_narrow_cols(rows) == 16)
     gen = torch.Generator().manual_seed(b + h + s_q)
