@@ -26,7 +26,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.fp8_dequant import EXP_120, _all_ones_if_lt, _bf16x2_hi, _ld_shared_b32
-from mlaserve.kernels.cutedsl.fragment_ops import ld_global_v4_b32
+from mlaserve.kernels.cutedsl.fragment_ops import ld_global_nc_b32, ld_global_v4_b32
 
 TILE_N = 64
 D_QK = 576
@@ -189,14 +189,6 @@ def cp_async_b32(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
                     "cp.async.ca.shared.global [$0], [$1], 4;", "r,l",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def ld_global_nc_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """The word at global address `addr`, as fragment_ops.ld_global_v4_b32(streamed=True) reads."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.L1::no_allocate.b32 $0, [$1];", "=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op

@@ -63,6 +63,15 @@ def ld_global_v4_b32(addr: cutlass.Int64, streamed: bool = False, *, loc=None, i
 
 
 @dsl_user_op
+def ld_global_nc_b32(addr: cutlass.Int64, *, loc=None, ip=None) -> Int32:
+    """The word at global address `addr`, as ld_global_v4_b32(streamed=True) reads."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.L1::no_allocate.b32 $0, [$1];",
+        "=r,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
 def ld_shared_v4(addr: Int32, *, loc=None, ip=None) -> list:
     """The 16 bytes at shared address `addr` as 4 words."""
     res = llvm.inline_asm(
