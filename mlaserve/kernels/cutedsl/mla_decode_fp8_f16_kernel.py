@@ -68,10 +68,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
+from mlaserve.kernels.cutedsl.f16_query import load_q, store_q_f16
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fragment_ops import (
-    bf16x2_to_f32, cvt_pair, e4m3x4_to_f16, e4m3x4_to_f16_exact, ld_global_v4_b32, ld_shared_v4, ldsm_x4, pow2_scale,
-    st_shared_words, v_fragment)
+    cvt_pair, e4m3x4_to_f16, e4m3x4_to_f16_exact, ld_shared_v4, ldsm_x4, st_shared_words, v_fragment)
 from mlaserve.kernels.cutedsl.keys_on_m import (
     col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, take_column_max)
 from mlaserve.kernels.cutedsl.boxed_pages import (
@@ -203,17 +203,17 @@ class MLADecodeFP8F16Sm90:
                 _stamp(trace_at, T_NS0, cute.arch.globaltimer_lo())
                 _stamp(trace_at, T_C0, cute.arch.clock())
 
-        # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16, both consumers; its reads go out
-        # first where early_start --
+        # -- Q * 2^a in f16 (columns in Q_PERM's order) and Q_pe * 2^a in bf16 (f16_query.py), both consumers; its
+        # reads go out first where early_start --
         if const_expr(self.early_start):
-            q_words, q_pe = _load_q(mQ.iterator.toint(), batch, rows, tidx, n)
+            q_words, q_pe = load_q(mQ.iterator.toint(), batch, rows, tidx, n)
         seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg) = first_pages(
             tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE, mBT, mSeqlens, batch, split, num_splits,
             c, warp, lane, full, bt_early=self.early_start and not self.is_split)
         if const_expr(not self.early_start):
-            q_words, q_pe = _load_q(mQ.iterator.toint(), batch, rows, tidx, n)
-        _store_q_f16(q_words, q_pe, rows, tidx, n, storage.sQ.data_ptr().toint(), storage.sQpe.data_ptr().toint(),
-                     sInv)
+            q_words, q_pe = load_q(mQ.iterator.toint(), batch, rows, tidx, n)
+        store_q_f16(q_words, q_pe, rows, tidx, n, storage.sQ.data_ptr().toint(), storage.sQpe.data_ptr().toint(),
+                    sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
         if const_expr(self.trace):
@@ -502,79 +502,3 @@ def _finish_half(cc: cutlass.Constexpr[int], acc_o: list, col_m: cute.Tensor, co
     inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, cc), BAR_RED + 2 * cc, CONSUMER_THREADS)
     store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL, n, is_split,
                tiles=mine, lse_too=cc == 0)
-
-
-@cute.jit
-def _load_q(q_base: cutlass.Int64, batch: Int32, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int]):
-    """This thread's part of its query row (_store_q_f16 says which), read from global memory -> (words of its
-    16-column groups [8 * groups], rope words [4]: zeros for parts >= 8); rows past `rows` read row 0 (nothing
-    here waits for the reads: _store_q_f16 zeroes those rows)."""
-    per_row = THREADS // n
-    groups = (D_V // 16) // per_row
-    r = tidx // per_row
-    part = tidx % per_row
-    rr = r
-    if r >= rows:
-        rr = 0
-    row_addr = q_base + cutlass.Int64(batch * rows + rr) * (D_QK * 2)
-    words = cute.make_rmem_tensor(8 * groups, Int32)
-    for j in cutlass.range_constexpr(groups):
-        col = 16 * (part + per_row * j)
-        for e in cutlass.range_constexpr(2):
-            w = ld_global_v4_b32(row_addr + (col + 8 * e) * 2)
-            for x in cutlass.range_constexpr(4):
-                words[8 * j + 4 * e + x] = w[x]
-    pe = cute.make_rmem_tensor(4, Int32)
-    pe.fill(0)
-    if part < D_PE // 8:
-        w = ld_global_v4_b32(row_addr + (D_V + 8 * part) * 2)
-        for x in cutlass.range_constexpr(4):
-            pe[x] = w[x]
-    return words, pe
-
-
-@cute.jit
-def _store_q_f16(words: cute.Tensor, pe: cute.Tensor, rows: Int32, tidx: Int32, n: cutlass.Constexpr[int],
-                 q_base_s: Int32, qpe_base: Int32, sInv: cute.Tensor):
-    """Q * 2^a into sQ [n, 512] f16 (128-byte swizzle: 64-column boxes of n rows, n * 128 bytes apart; 16-byte
-    chunk j of a row at j ^ (row % 8)), each 16-column group's columns in Q_PERM's order; Q_pe * 2^a into sQpe
-    [n, 64] bf16 likewise; 2^-a into sInv; from _load_q's words. a per query row r: its largest |q_nope| in
-    [2^7, 2^8) (pow2_scale). 256 / n threads a row; thread `part` takes the row's 16-column groups
-    part + (256 / n) j, and parts < 8 the rope chunk part. Rows past `rows` are zeros."""
-    per_row = THREADS // n
-    groups = (D_V // 16) // per_row
-    r = tidx // per_row
-    part = tidx % per_row
-    if r >= rows:
-        words.fill(0)
-        pe.fill(0)
-    amax = Float32(0.0)
-    for e in cutlass.range_constexpr(8 * groups):
-        lo, hi = bf16x2_to_f32(words[e])
-        amax = cute.arch.fmax(amax, cute.arch.fmax(cute.arch.fmax(lo, -lo), cute.arch.fmax(hi, -hi)))
-    for off in (1, 2, 4, 8, 16):
-        if const_expr(off < per_row):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
-    scale = pow2_scale(amax)             # 2^a as fp32 (1 for a zero row)
-    for j in cutlass.range_constexpr(groups):
-        g16 = part + per_row * j
-        # the group's 8 words (column pairs 0..7) scaled into f16x2; logical word L holds pair 2 L (L < 4),
-        # else pair 2 (L - 4) + 1 (Q_PERM)
-        hw = [_scaled_pair(words[8 * j + e], scale, "f16") for e in range(8)]
-        box = g16 // 4
-        for half in cutlass.range_constexpr(2):
-            chunk = 2 * (g16 % 4) + half
-            addr = q_base_s + box * (n * 128) + (r // 8) * 1024 + (r % 8) * 128 + ((chunk ^ (r % 8)) * 16)
-            st_shared_words(addr, [hw[half], hw[2 + half], hw[4 + half], hw[6 + half]])
-    if part == 0:
-        sInv[r] = 1.0 / scale
-    if part < D_PE // 8:
-        pw = [_scaled_pair(pe[e], scale, "bf16") for e in range(4)]
-        st_shared_words(qpe_base + (r // 8) * 1024 + (r % 8) * 128 + (part ^ (r % 8)) * 16, pw)
-
-def _scaled_pair(w: Int32, scale: Float32, kind: str) -> Int32:
-    """A word's two bf16 times `scale` (a power of 2), as an f16 or (exactly) a bf16 pair."""
-    lo, hi = bf16x2_to_f32(w)
-    return cvt_pair(lo * scale, hi * scale, kind)
-
-
