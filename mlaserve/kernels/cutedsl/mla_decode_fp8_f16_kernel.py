@@ -101,7 +101,7 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8SeesawSm90.__call__: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False):
+                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False, open_end: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -122,6 +122,10 @@ class MLADecodeFP8F16Sm90:
         # S^T from the exact e4m3 values into one accumulator per scale group, the groups' scales applied to the
         # accumulators in fp32 (mla_decode.FP8_F16_GROUP_S), instead of each K value times its scale in f16
         self.group_s = group_s
+        # a page's last P V products left in flight into the next page's start (its barrier wait, scales, k_pe
+        # product), waited for by that page's S^T waits, instead of drained at the page's end
+        # (mla_decode.FP8_F16_OPEN_END)
+        self.open_end = open_end
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -282,38 +286,27 @@ class MLADecodeFP8F16Sm90:
         next_page = Int32(0)
         if warp == 0 and c + STAGES < n_tiles:
             next_page = mBT[batch, first_page + c + STAGES]
+        scale_io = (sSc, ks, k0, vb_key, vb_g, vb_c, vb_j, vs_base)
+        if const_expr(self.open_end):
+            # the first page's start here; each later one's at the end of the page before, under its last products
+            # (names of their own: the DSL takes any name assigned before the loop and in it as carried by it)
+            o_st, o_tok0, o_valid, o_base = Int32(0), Int32(0), Int32(0), Int32(0)
+            if c < n_tiles:
+                o_st, o_tok0, o_valid, o_base = wait_page(full, c, k_base, start, seqlen, ctid, bar_p)
+                self._stamp_arrival(trace_at, ctid, c, c)
+                _page_scales(o_st, o_valid, Int32(0), scale_io, self.group_s)
         for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
             t = c + 2 * u
             later_page = Int32(0)
             if warp == 0 and t + 2 + STAGES < n_tiles:
                 later_page = mBT[batch, first_page + t + 2 + STAGES]
-            st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
-            if const_expr(self.trace):
-                if ctid == 0:
-                    now = cute.arch.clock()
-                    if u == 0:
-                        _stamp(trace_at, T_PAGE0 + c, now)
-                    if t < TRACE_PAGES:
-                        _stamp(trace_at, T_PAGES_AT + 2 * t, now)
-            # -- the scales: K's rows k0, k0 + 8 as f16x2 pairs; this page's V table (read after BAR_RED) --
-            for hr in cutlass.range_constexpr(2):
-                keep = k0 + 8 * hr < valid
-                for g in cutlass.range_constexpr(GROUPS):
-                    v = sSc[k0 + 8 * hr, g, st]
-                    if not keep:
-                        v = Float32(0.0)
-                    if const_expr(self.group_s):
-                        ks[hr, g] = v
-                    else:
-                        ks[hr, g] = cvt_pair(v, v)
-            sa = sSc[vb_key, vb_g, st]
-            sb = sSc[vb_key + 8, vb_g, st]
-            if vb_key >= valid:
-                sa = Float32(0.0)
-            if vb_key + 8 >= valid:
-                sb = Float32(0.0)
+            if const_expr(self.open_end):
+                st, tok0, valid, stage_base = o_st, o_tok0, o_valid, o_base
+            else:
+                st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
+                self._stamp_arrival(trace_at, ctid, c, t)
+                _page_scales(st, valid, u, scale_io, self.group_s)
             vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [cvt_pair(sa, sb)])
             # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
             warpgroup.fence()
             atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
@@ -426,11 +419,19 @@ class MLADecodeFP8F16Sm90:
                 for kk in cutlass.range_constexpr(TILE_N // 16):
                     cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
                 warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            if const_expr(self.open_end):
+                # the page's products issued (its end in a trace); the next page's start under them, then the drain
+                # (no wgmma may be in flight across the loop's back edge: ptxas would serialize them all)
+                self._stamp_end(trace_at, ctid, t)
+                if t + 2 < n_tiles:
+                    o_st, o_tok0, o_valid, o_base = wait_page(full, t + 2, k_base, start, seqlen, ctid, bar_p)
+                    self._stamp_arrival(trace_at, ctid, c, t + 2)
+                    _page_scales(o_st, o_valid, u + 1, scale_io, self.group_s)
+                warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(0)
+                self._stamp_end(trace_at, ctid, t)
             next_page = later_page
-            if const_expr(self.trace):
-                if ctid == 0 and t < TRACE_PAGES:
-                    _stamp(trace_at, T_PAGES_AT + 2 * t + 1, cute.arch.clock())
 
         if const_expr(self.trace):
             if ctid == 0:
@@ -462,6 +463,24 @@ class MLADecodeFP8F16Sm90:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
 
 
+    @cute.jit
+    def _stamp_arrival(self, trace_at: cutlass.Int64, ctid: Int32, c: Int32, t: Int32):
+        """A traced launch's clock of page t's arrival (and of the consumer's first page's)."""
+        if const_expr(self.trace):
+            if ctid == 0:
+                now = cute.arch.clock()
+                if t == c:
+                    _stamp(trace_at, T_PAGE0 + c, now)
+                if t < TRACE_PAGES:
+                    _stamp(trace_at, T_PAGES_AT + 2 * t, now)
+
+    @cute.jit
+    def _stamp_end(self, trace_at: cutlass.Int64, ctid: Int32, t: Int32):
+        """A traced launch's clock of page t's products' end (issued, with open_end)."""
+        if const_expr(self.trace):
+            if ctid == 0 and t < TRACE_PAGES:
+                _stamp(trace_at, T_PAGES_AT + 2 * t + 1, cute.arch.clock())
+
 @dsl_user_op
 def _stamp(base: cutlass.Int64, field, value: Int32, *, loc=None, ip=None) -> None:
     """A traced launch's int32 `field` (an int, or Int32) of the CTA whose fields start at global address `base`."""
@@ -469,6 +488,31 @@ def _stamp(base: cutlass.Int64, field, value: Int32, *, loc=None, ip=None) -> No
     llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip)], "st.global.b32 [$0], $1;", "l,r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
+
+@cute.jit
+def _page_scales(st: Int32, valid: Int32, u: Int32, scale_io: tuple, group_s: cutlass.Constexpr[bool]):
+    """A landed page's scales (stage st, `valid` of its rows the request's): K's rows k0, k0 + 8 into ks (fp32 where
+    group_s, else f16x2 pairs; rows past the request zero), and this thread's word of the page's V-scale table
+    (parity u % 2; its consumer reads it after BAR_RED)."""
+    sSc, ks, k0, vb_key, vb_g, vb_c, vb_j, vs_base = scale_io
+    for hr in cutlass.range_constexpr(2):
+        keep = k0 + 8 * hr < valid
+        for g in cutlass.range_constexpr(GROUPS):
+            v = sSc[k0 + 8 * hr, g, st]
+            if not keep:
+                v = Float32(0.0)
+            if const_expr(group_s):
+                ks[hr, g] = v
+            else:
+                ks[hr, g] = cvt_pair(v, v)
+    sa = sSc[vb_key, vb_g, st]
+    sb = sSc[vb_key + 8, vb_g, st]
+    if vb_key >= valid:
+        sa = Float32(0.0)
+    if vb_key + 8 >= valid:
+        sb = Float32(0.0)
+    vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
+    st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [cvt_pair(sa, sb)])
 
 @cute.jit
 def _finish_half(cc: cutlass.Constexpr[int], acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32,
