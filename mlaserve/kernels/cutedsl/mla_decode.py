@@ -127,11 +127,11 @@ FP8_EARLY_START = True
 # writes its merge's fma out: boxed_pages.merge_stash). On an H100 (bench/NOTES.md 136; decode_ab, --sustain-ms 20,
 # off/on): b128 h16 4k / 8k 1.003 / 1.003x, h32 4k / 8k 1.003 / 1.006x, b16 h32 32k (split) 1.001x (False: for A/B)
 FP8_SPLIT_EPILOGUE = True
-# The f16-register FP8 kernel's page end: its last P V products left in flight into the next page's start (the
-# barrier wait, the scales, the k_pe product), which that page's S^T waits then cover, instead of drained at the
-# page's end (a warpgroup wait_group(0) a page). On the H200 (bench/NOTES.md 168) both consumers are busy computing
-# at b32-b128 h16 / h32 and each page starts ~0.25 us after the previous one's products end (~9% of a page at h16)
-# whatever the load: the loop's start, not the memory. The same bits. Off until measured.
+# The f16-register FP8 kernel's page end: the next page's start (its barrier wait, scales and V-scale table) issued
+# between the page's last P V products and their drain (a warpgroup wait_group(0) a page), instead of after it. On
+# the H200 (bench/NOTES.md 168-169) both consumers are busy computing at b32-b128 h16 / h32 and each page starts
+# ~0.25 us after the previous one's products end (~9% of a page at h16) whatever the load: the loop's start, not the
+# memory. The same bits. Off until measured.
 FP8_F16_OPEN_END = False
 # The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
 # group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of

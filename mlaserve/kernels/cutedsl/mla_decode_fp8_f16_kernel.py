@@ -122,9 +122,8 @@ class MLADecodeFP8F16Sm90:
         # S^T from the exact e4m3 values into one accumulator per scale group, the groups' scales applied to the
         # accumulators in fp32 (mla_decode.FP8_F16_GROUP_S), instead of each K value times its scale in f16
         self.group_s = group_s
-        # a page's last P V products left in flight into the next page's start (its barrier wait, scales, k_pe
-        # product), waited for by that page's S^T waits, instead of drained at the page's end
-        # (mla_decode.FP8_F16_OPEN_END)
+        # the next page started (its barrier wait, scales, V-scale table) between the issue of a page's last P V
+        # products and their drain, instead of after the drain (mla_decode.FP8_F16_OPEN_END)
         self.open_end = open_end
 
     @cute.jit
@@ -462,7 +461,6 @@ class MLADecodeFP8F16Sm90:
                 if c == 0:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
 
-
     @cute.jit
     def _stamp_arrival(self, trace_at: cutlass.Int64, ctid: Int32, c: Int32, t: Int32):
         """A traced launch's clock of page t's arrival (and of the consumer's first page's)."""
@@ -480,6 +478,7 @@ class MLADecodeFP8F16Sm90:
         if const_expr(self.trace):
             if ctid == 0 and t < TRACE_PAGES:
                 _stamp(trace_at, T_PAGES_AT + 2 * t + 1, cute.arch.clock())
+
 
 @dsl_user_op
 def _stamp(base: cutlass.Int64, field, value: Int32, *, loc=None, ip=None) -> None:
@@ -513,6 +512,7 @@ def _page_scales(st: Int32, valid: Int32, u: Int32, scale_io: tuple, group_s: cu
         sb = Float32(0.0)
     vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
     st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [cvt_pair(sa, sb)])
+
 
 @cute.jit
 def _finish_half(cc: cutlass.Constexpr[int], acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32,
