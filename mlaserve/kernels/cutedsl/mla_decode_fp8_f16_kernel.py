@@ -285,15 +285,14 @@ class MLADecodeFP8F16Sm90:
         next_page = Int32(0)
         if warp == 0 and c + STAGES < n_tiles:
             next_page = mBT[batch, first_page + c + STAGES]
+        page_io = (full, k_base, start, seqlen, ctid, bar_p, trace_at, c)
         scale_io = (sSc, ks, k0, vb_key, vb_g, vb_c, vb_j, vs_base)
         if const_expr(self.open_end):
             # the first page's start here; each later one's at the end of the page before, under its last products
             # (names of their own: the DSL takes any name assigned before the loop and in it as carried by it)
             o_st, o_tok0, o_valid, o_base = Int32(0), Int32(0), Int32(0), Int32(0)
             if c < n_tiles:
-                o_st, o_tok0, o_valid, o_base = wait_page(full, c, k_base, start, seqlen, ctid, bar_p)
-                self._stamp_arrival(trace_at, ctid, c, c)
-                _page_scales(o_st, o_valid, Int32(0), scale_io, self.group_s)
+                o_st, o_tok0, o_valid, o_base = self._start_page(c, Int32(0), page_io, scale_io)
         for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
             t = c + 2 * u
             later_page = Int32(0)
@@ -302,9 +301,7 @@ class MLADecodeFP8F16Sm90:
             if const_expr(self.open_end):
                 st, tok0, valid, stage_base = o_st, o_tok0, o_valid, o_base
             else:
-                st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
-                self._stamp_arrival(trace_at, ctid, c, t)
-                _page_scales(st, valid, u, scale_io, self.group_s)
+                st, tok0, valid, stage_base = self._start_page(t, u, page_io, scale_io)
             vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
             # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
             warpgroup.fence()
@@ -423,9 +420,7 @@ class MLADecodeFP8F16Sm90:
                 # (no wgmma may be in flight across the loop's back edge: ptxas would serialize them all)
                 self._stamp_end(trace_at, ctid, t)
                 if t + 2 < n_tiles:
-                    o_st, o_tok0, o_valid, o_base = wait_page(full, t + 2, k_base, start, seqlen, ctid, bar_p)
-                    self._stamp_arrival(trace_at, ctid, c, t + 2)
-                    _page_scales(o_st, o_valid, u + 1, scale_io, self.group_s)
+                    o_st, o_tok0, o_valid, o_base = self._start_page(t + 2, u + 1, page_io, scale_io)
                 warpgroup.wait_group(0)
             else:
                 warpgroup.wait_group(0)
@@ -462,8 +457,11 @@ class MLADecodeFP8F16Sm90:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
 
     @cute.jit
-    def _stamp_arrival(self, trace_at: cutlass.Int64, ctid: Int32, c: Int32, t: Int32):
-        """A traced launch's clock of page t's arrival (and of the consumer's first page's)."""
+    def _start_page(self, t: Int32, u: Int32, page_io: tuple, scale_io: tuple):
+        """A consumer's start of page t, its u-th: the wait for it (wait_page), its arrival's clock where traced,
+        and its scales (_page_scales) -> (stage, first token, the request's tokens from it, stage base)."""
+        full, k_base, start, seqlen, ctid, bar_p, trace_at, c = page_io
+        st, tok0, valid, stage_base = wait_page(full, t, k_base, start, seqlen, ctid, bar_p)
         if const_expr(self.trace):
             if ctid == 0:
                 now = cute.arch.clock()
@@ -471,6 +469,8 @@ class MLADecodeFP8F16Sm90:
                     _stamp(trace_at, T_PAGE0 + c, now)
                 if t < TRACE_PAGES:
                     _stamp(trace_at, T_PAGES_AT + 2 * t, now)
+        _page_scales(st, valid, u, scale_io, self.group_s)
+        return st, tok0, valid, stage_base
 
     @cute.jit
     def _stamp_end(self, trace_at: cutlass.Int64, ctid: Int32, t: Int32):
