@@ -31,6 +31,9 @@ switches, read at launch (so captured with each graph):
                  against consumer 0 all of it
   FP8_F16_OPEN_END  cutedsl: the f16-register FP8 kernel's last P V products of a page left in flight into the next
                  page's start against drained at the page's end
+  FP8_F16_PAIRS  cutedsl: the 16-row f16-register FP8 kernel taking two pages a loop iteration, the first's
+                 products in flight into the second (with open ends) against one page an iteration (with
+                 --set FP8_F16_OPEN_END=1: against open ends alone)
   FP8_F16_GROUP_S  cutedsl: the 16-row f16-register FP8 kernel's S^T by scale group from the exact e4m3 values,
                  the scales applied to the groups' accumulators in fp32, against each K value scaled in f16
   FP8_SEESAW_PREFETCH  cutedsl: FP8 at more than 32 rows (the seesaw's register-path loader) asking L2 for the page
@@ -262,6 +265,7 @@ SWITCHES = {
     "FP8_SPLIT_EPILOGUE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SPLIT_EPILOGUE")),
     "FP8_F16_GROUP_S": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_GROUP_S")),
     "FP8_F16_OPEN_END": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_OPEN_END")),
+    "FP8_F16_PAIRS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_PAIRS")),
     "FP8_SEESAW_PREFETCH": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_PREFETCH")),
     "FP8_SEESAW_BT_SMEM": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_BT_SMEM")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),

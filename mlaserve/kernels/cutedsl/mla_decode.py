@@ -133,6 +133,11 @@ FP8_SPLIT_EPILOGUE = True
 # ~0.25 us after the previous one's products end (~9% of a page at h16) whatever the load: the loop's start, not the
 # memory. The same bits. Off until measured.
 FP8_F16_OPEN_END = False
+# The f16-register FP8 kernel at 16 rows: two of a consumer's pages a loop iteration (an odd count's first alone), the
+# first's P V products left in flight into the second's start and S^T, so that half the page ends have no drain and no
+# serial start (bench/NOTES.md 171-172); at 32 rows the products in flight and S^T spill. The next page started under
+# each page's last products, as FP8_F16_OPEN_END. The same bits. Off until measured.
+FP8_F16_PAIRS = False
 # The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
 # group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of
 # every K value times its scale in f16 (128 HMUL2; K read as e4m3 * scale rounded to f16). At 32 rows the four
@@ -276,6 +281,11 @@ def f16_group_s(narrow: int) -> bool:
     return FP8_F16_GROUP_S and narrow == 16
 
 
+def f16_pairs(narrow: int) -> bool:
+    """Whether the f16-register FP8 kernel of `narrow` columns takes its pages two a loop iteration (FP8_F16_PAIRS)."""
+    return FP8_F16_PAIRS and narrow == 16
+
+
 def kv_ring(rows: int) -> tuple[int, bool, int]:
     """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring, pages
     prefetched ahead into L2)."""
@@ -326,7 +336,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
         key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
             ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ()) + (("group-s",) if f16_group_s(narrow) else ()) + (
-            ("open-end",) if FP8_F16_OPEN_END else ())
+            ("open-end",) if FP8_F16_OPEN_END else ()) + (("pairs",) if f16_pairs(narrow) else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -351,7 +361,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
                                                        early_start=FP8_EARLY_START,
                                                        split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace,
-                                                       group_s=f16_group_s(narrow), open_end=FP8_F16_OPEN_END),
+                                                       group_s=f16_group_s(narrow), open_end=FP8_F16_OPEN_END,
+                                                       pairs=f16_pairs(narrow)),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

@@ -101,7 +101,8 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8SeesawSm90.__call__: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False, open_end: bool = False):
+                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False, open_end: bool = False,
+                 pairs: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -125,6 +126,10 @@ class MLADecodeFP8F16Sm90:
         # the next page started (its barrier wait, scales, V-scale table) between the issue of a page's last P V
         # products and their drain, instead of after the drain (mla_decode.FP8_F16_OPEN_END)
         self.open_end = open_end
+        # two of a consumer's pages an iteration (an odd count's first alone): the first's products left in flight
+        # into the second's start and S^T, drained only at the pair's end (mla_decode.FP8_F16_PAIRS; open ends)
+        self.pairs = pairs
+        self.open_ends = open_end or pairs
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -287,145 +292,37 @@ class MLADecodeFP8F16Sm90:
             next_page = mBT[batch, first_page + c + STAGES]
         page_io = (full, k_base, start, seqlen, ctid, bar_p, trace_at, c)
         scale_io = (sSc, ks, k0, vb_key, vb_g, vb_c, vb_j, vs_base)
-        if const_expr(self.open_end):
+        if const_expr(self.open_ends):
             # the first page's start here; each later one's at the end of the page before, under its last products
             # (names of their own: the DSL takes any name assigned before the loop and in it as carried by it)
             o_st, o_tok0, o_valid, o_base = Int32(0), Int32(0), Int32(0), Int32(0)
             if c < n_tiles:
                 o_st, o_tok0, o_valid, o_base = self._start_page(c, Int32(0), page_io, scale_io)
-        for u in cutlass.range((n_tiles - c + 1) // 2, unroll=1):
-            t = c + 2 * u
-            later_page = Int32(0)
-            if warp == 0 and t + 2 + STAGES < n_tiles:
-                later_page = mBT[batch, first_page + t + 2 + STAGES]
-            if const_expr(self.open_end):
-                st, tok0, valid, stage_base = o_st, o_tok0, o_valid, o_base
-            else:
-                st, tok0, valid, stage_base = self._start_page(t, u, page_io, scale_io)
-            vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-            # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
-            warpgroup.fence()
-            atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
-            for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
-                atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
-                cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
-            warpgroup.commit_group()
-            atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
-            atom_qk.set(warpgroup.Field.ACCUMULATE, True)
-            for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
-                buf = cute.recast_tensor(frag_k[j % 2], Int32)
-                if const_expr(j >= 2):
-                    warpgroup.wait_group(1)     # group j - 2 (the last reader of this buffer) is done
-                for b in cutlass.range_constexpr(CHUNK):
-                    blk = CHUNK * j + b
-                    chunk = 2 * (blk % 4) + k_half
-                    w = ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
-                    g = blk // 4
-                    for st2 in cutlass.range_constexpr(2):
-                        if const_expr(self.group_s):
-                            lo0, hi0 = e4m3x4_to_f16_exact(w[2 * st2])
-                            lo1, hi1 = e4m3x4_to_f16_exact(w[2 * st2 + 1])
-                        else:
-                            lo0, hi0 = e4m3x4_to_f16(w[2 * st2], ks[0, g], ks[0, g])
-                            lo1, hi1 = e4m3x4_to_f16(w[2 * st2 + 1], ks[1, g], ks[1, g])
-                        kk = 2 * b + st2
-                        buf[4 * kk + 0] = lo0
-                        buf[4 * kk + 1] = lo1
-                        buf[4 * kk + 2] = hi0
-                        buf[4 * kk + 3] = hi1
-                warpgroup.fence()
-                for kk in cutlass.range_constexpr(2 * CHUNK):
-                    if const_expr(self.group_s):
-                        # group (CHUNK j) // 4's accumulator, started by its first k-step
-                        grp = (CHUNK * j) // 4
-                        atom_g = cute.make_mma_atom(tiled_mma_qk.op)
-                        atom_g.set(warpgroup.Field.ACCUMULATE, not ((CHUNK * j) % 4 == 0 and kk == 0))
-                        cute.gemm(atom_g, acc_g[grp], frag_k[j % 2][None, None, kk],
-                                  tSrQ[None, None, 2 * CHUNK * j + kk], acc_g[grp])
-                    else:
-                        cute.gemm(atom_qk, acc_s, frag_k[j % 2][None, None, kk],
-                                  tSrQ[None, None, 2 * CHUNK * j + kk], acc_s)
-                warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            if const_expr(self.group_s):
-                # S^T = k_pe's product + sum over groups of the group's product times its keys' scales (value i
-                # of the fragment: key k0 + 8 ((i // 2) % 2))
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    v = acc_s[i]
-                    for g in cutlass.range_constexpr(GROUPS):
-                        v = v + acc_g[g][i] * ks[(i // 2) % 2, g]
-                    acc_s[i] = v * fac[col_slot(i, n)]
-            else:
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
-            mask_keys(acc_s, tok0, k0, vis, min_vis, n)
-            # -- column maxima: own rows, the warp, then the 4 warps --
-            publish_column_max(acc_s, cols, lane, warp, sRed, (u % 2, c))
-            cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-            for s in cutlass.range_constexpr(slots):
-                m_prev[s] = col_m[s]
-            take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
-            exp_columns(acc_s, m_base, col_l, n)
-            # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
-            for s in cutlass.range_constexpr(slots):
-                i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
-                st_shared_words(p_addr[s], [cvt_pair(acc_s[i], acc_s[i + 2])])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
-            # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
-            # and every warp sees the same maxima) --
-            moved = col_m[0] != m_prev[0]
-            for s in cutlass.range_constexpr(1, slots):
-                moved = moved | (col_m[s] != m_prev[s])
-            if cute.arch.vote_any_sync(moved):
-                for m in cutlass.range_constexpr(M_TILES):
-                    for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
-            vsw = cute.make_rmem_tensor(8, Int32)
-            for m in cutlass.range_constexpr(M_TILES):
-                if const_expr(m % 2 == 0):
-                    vs_row = vs_page + ((m // 2) * 4 + lane % 4) * 32
-                    for e in cutlass.range_constexpr(2):
-                        wv = ld_shared_v4(vs_row + 16 * e)
-                        for x in cutlass.range_constexpr(4):
-                            vsw[4 * e + x] = wv[x]
-                raw = cute.make_rmem_tensor(8, Int32)
-                v_fragment(raw, stage_base, warp, lane, m)
-                vbuf = cute.recast_tensor(frag_v[m % 2], Int32)
-                if const_expr(m >= 2):
-                    warpgroup.wait_group(1)     # tile m - 2's product (the last reader of this buffer) is done
-                for k in cutlass.range_constexpr(TILE_N // 32):
-                    for hf in cutlass.range_constexpr(2):
-                        # the e4m3 words of keys 32 k + 16 hf + (2c, 2c + 8, 2c + 1, 2c + 9), rows r and r + 8
-                        lo0, hi0 = e4m3x4_to_f16(raw[4 * k + 2 * hf], vsw[4 * k + 2 * hf], vsw[4 * k + 2 * hf + 1])
-                        lo1, hi1 = e4m3x4_to_f16(raw[4 * k + 2 * hf + 1], vsw[4 * k + 2 * hf],
-                                                  vsw[4 * k + 2 * hf + 1])
-                        kk = 2 * k + hf
-                        vbuf[4 * kk + 0] = lo0
-                        vbuf[4 * kk + 1] = lo1
-                        vbuf[4 * kk + 2] = hi0
-                        vbuf[4 * kk + 3] = hi1
-                if const_expr(m == M_TILES - 1):
-                    # the stage's last ldmatrix is done: refill it with page t + 4 before the last products
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
-                    if warp == 0 and t + STAGES < n_tiles:
-                        load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
-                warpgroup.fence()
-                for kk in cutlass.range_constexpr(TILE_N // 16):
-                    cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
-                warpgroup.commit_group()
-            if const_expr(self.open_end):
-                # the page's products issued (its end in a trace); the next page's start under them, then the drain
-                # (no wgmma may be in flight across the loop's back edge: ptxas would serialize them all)
-                self._stamp_end(trace_at, ctid, t)
-                if t + 2 < n_tiles:
-                    o_st, o_tok0, o_valid, o_base = self._start_page(t + 2, u + 1, page_io, scale_io)
-                warpgroup.wait_group(0)
-            else:
-                warpgroup.wait_group(0)
-                self._stamp_end(trace_at, ctid, t)
-            next_page = later_page
+        ios = ((page_io, scale_io,
+                (tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, mBT, batch, first_page, n_tiles),
+                (tiled_mma_pe, tiled_mma_qk, tSrKpe, tSrQpe, tSrQ, tOrP, acc_s, acc_o, acc_g, frag_k, frag_v),
+                (vis, min_vis, col_m, m_prev, col_l, alpha, m_base, fac, cols, sRed, p_addr),
+                (warp, lane, k0, k_key, k_row, k_half, bar_red, vs_base)))
+        count = (n_tiles - c + 1) // 2     # this consumer's pages
+        if const_expr(self.pairs):
+            # an odd count's first page alone, drained; then two pages an iteration, only the second drained
+            odd = count % 2
+            if odd == 1:
+                next_page, o_st, o_tok0, o_valid, o_base = self._page(
+                    Int32(0), (o_st, o_tok0, o_valid, o_base), next_page, True, ios)
+            for p in cutlass.range(count // 2, unroll=1):
+                u = odd + 2 * p
+                next_page, o_st, o_tok0, o_valid, o_base = self._page(
+                    u, (o_st, o_tok0, o_valid, o_base), next_page, False, ios)
+                next_page, o_st, o_tok0, o_valid, o_base = self._page(
+                    u + 1, (o_st, o_tok0, o_valid, o_base), next_page, True, ios)
+        else:
+            for u in cutlass.range(count, unroll=1):
+                if const_expr(self.open_ends):
+                    next_page, o_st, o_tok0, o_valid, o_base = self._page(
+                        u, (o_st, o_tok0, o_valid, o_base), next_page, True, ios)
+                else:
+                    next_page = self._page(u, (), next_page, True, ios)
 
         if const_expr(self.trace):
             if ctid == 0:
@@ -455,6 +352,158 @@ class MLADecodeFP8F16Sm90:
                 _stamp(trace_at, T_END + c, cute.arch.clock())
                 if c == 0:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
+
+    @cute.jit
+    def _page(self, u: Int32, started: tuple, next_page: Int32, drain: cutlass.Constexpr[bool], ios: tuple):
+        """A consumer's u-th page, t = c + 2 u: S^T, its column maxima, P^T, O^T's rescale and its P V products,
+        the refill of its stage with page t + 4 (its block-table entry next_page, read a page before) -> page
+        t + 2 + 4's entry (warp 0), and with open ends the next page's start (_start_page: stage, first token,
+        valid tokens, stage base), issued before this page's products drain, or instead of it where not drain."""
+        page_io, scale_io, load_io, mma_io, soft_io, lane_io = ios
+        full, k_base, start, seqlen, ctid, bar_p, trace_at, c = page_io
+        ks = scale_io[1]
+        tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, mBT, batch, first_page, n_tiles = load_io
+        tiled_mma_pe, tiled_mma_qk, tSrKpe, tSrQpe, tSrQ, tOrP, acc_s, acc_o, acc_g, frag_k, frag_v = mma_io
+        vis, min_vis, col_m, m_prev, col_l, alpha, m_base, fac, cols, sRed, p_addr = soft_io
+        warp, lane, k0, k_key, k_row, k_half, bar_red, vs_base = lane_io
+        n = self.n
+        slots = n // 4
+        t = c + 2 * u
+        later_page = Int32(0)
+        if warp == 0 and t + 2 + STAGES < n_tiles:
+            later_page = mBT[batch, first_page + t + 2 + STAGES]
+        if const_expr(self.open_ends):
+            st, tok0, valid, stage_base = started
+        else:
+            st, tok0, valid, stage_base = self._start_page(t, u, page_io, scale_io)
+        vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
+        # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
+        warpgroup.fence()
+        atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
+        for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
+            atom_pe.set(warpgroup.Field.ACCUMULATE, k > 0)
+            cute.gemm(atom_pe, acc_s, tSrKpe[None, None, k, st], tSrQpe[None, None, k], acc_s)
+        warpgroup.commit_group()
+        atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
+        atom_qk.set(warpgroup.Field.ACCUMULATE, True)
+        for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
+            buf = cute.recast_tensor(frag_k[j % 2], Int32)
+            if const_expr(j >= 2):
+                warpgroup.wait_group(1)     # group j - 2 (the last reader of this buffer) is done
+            for b in cutlass.range_constexpr(CHUNK):
+                blk = CHUNK * j + b
+                chunk = 2 * (blk % 4) + k_half
+                w = ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
+                g = blk // 4
+                for st2 in cutlass.range_constexpr(2):
+                    if const_expr(self.group_s):
+                        lo0, hi0 = e4m3x4_to_f16_exact(w[2 * st2])
+                        lo1, hi1 = e4m3x4_to_f16_exact(w[2 * st2 + 1])
+                    else:
+                        lo0, hi0 = e4m3x4_to_f16(w[2 * st2], ks[0, g], ks[0, g])
+                        lo1, hi1 = e4m3x4_to_f16(w[2 * st2 + 1], ks[1, g], ks[1, g])
+                    kk = 2 * b + st2
+                    buf[4 * kk + 0] = lo0
+                    buf[4 * kk + 1] = lo1
+                    buf[4 * kk + 2] = hi0
+                    buf[4 * kk + 3] = hi1
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(2 * CHUNK):
+                if const_expr(self.group_s):
+                    # group (CHUNK j) // 4's accumulator, started by its first k-step
+                    grp = (CHUNK * j) // 4
+                    atom_g = cute.make_mma_atom(tiled_mma_qk.op)
+                    atom_g.set(warpgroup.Field.ACCUMULATE, not ((CHUNK * j) % 4 == 0 and kk == 0))
+                    cute.gemm(atom_g, acc_g[grp], frag_k[j % 2][None, None, kk],
+                              tSrQ[None, None, 2 * CHUNK * j + kk], acc_g[grp])
+                else:
+                    cute.gemm(atom_qk, acc_s, frag_k[j % 2][None, None, kk],
+                              tSrQ[None, None, 2 * CHUNK * j + kk], acc_s)
+            warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        if const_expr(self.group_s):
+            # S^T = k_pe's product + sum over groups of the group's product times its keys' scales (value i
+            # of the fragment: key k0 + 8 ((i // 2) % 2))
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                v = acc_s[i]
+                for g in cutlass.range_constexpr(GROUPS):
+                    v = v + acc_g[g][i] * ks[(i // 2) % 2, g]
+                acc_s[i] = v * fac[col_slot(i, n)]
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
+        mask_keys(acc_s, tok0, k0, vis, min_vis, n)
+        # -- column maxima: own rows, the warp, then the 4 warps --
+        publish_column_max(acc_s, cols, lane, warp, sRed, (u % 2, c))
+        cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+        for s in cutlass.range_constexpr(slots):
+            m_prev[s] = col_m[s]
+        take_column_max(col_m, col_l, alpha, m_base, cols, sRed, (u % 2, c))
+        exp_columns(acc_s, m_base, col_l, n)
+        # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
+        for s in cutlass.range_constexpr(slots):
+            i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
+            st_shared_words(p_addr[s], [cvt_pair(acc_s[i], acc_s[i + 2])])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
+        # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
+        # and every warp sees the same maxima) --
+        moved = col_m[0] != m_prev[0]
+        for s in cutlass.range_constexpr(1, slots):
+            moved = moved | (col_m[s] != m_prev[s])
+        if cute.arch.vote_any_sync(moved):
+            for m in cutlass.range_constexpr(M_TILES):
+                for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                    acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+        vsw = cute.make_rmem_tensor(8, Int32)
+        for m in cutlass.range_constexpr(M_TILES):
+            if const_expr(m % 2 == 0):
+                vs_row = vs_page + ((m // 2) * 4 + lane % 4) * 32
+                for e in cutlass.range_constexpr(2):
+                    wv = ld_shared_v4(vs_row + 16 * e)
+                    for x in cutlass.range_constexpr(4):
+                        vsw[4 * e + x] = wv[x]
+            raw = cute.make_rmem_tensor(8, Int32)
+            v_fragment(raw, stage_base, warp, lane, m)
+            vbuf = cute.recast_tensor(frag_v[m % 2], Int32)
+            if const_expr(m >= 2):
+                warpgroup.wait_group(1)     # tile m - 2's product (the last reader of this buffer) is done
+            for k in cutlass.range_constexpr(TILE_N // 32):
+                for hf in cutlass.range_constexpr(2):
+                    # the e4m3 words of keys 32 k + 16 hf + (2c, 2c + 8, 2c + 1, 2c + 9), rows r and r + 8
+                    lo0, hi0 = e4m3x4_to_f16(raw[4 * k + 2 * hf], vsw[4 * k + 2 * hf], vsw[4 * k + 2 * hf + 1])
+                    lo1, hi1 = e4m3x4_to_f16(raw[4 * k + 2 * hf + 1], vsw[4 * k + 2 * hf],
+                                              vsw[4 * k + 2 * hf + 1])
+                    kk = 2 * k + hf
+                    vbuf[4 * kk + 0] = lo0
+                    vbuf[4 * kk + 1] = lo1
+                    vbuf[4 * kk + 2] = hi0
+                    vbuf[4 * kk + 3] = hi1
+            if const_expr(m == M_TILES - 1):
+                # the stage's last ldmatrix is done: refill it with page t + 4 before the last products
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
+                if warp == 0 and t + STAGES < n_tiles:
+                    load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, next_page, st, lane)
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(TILE_N // 16):
+                cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
+            warpgroup.commit_group()
+        if const_expr(self.open_ends):
+            # the page's products issued (its end in a trace); the next page's start under them, then the drain
+            # unless the next page is the pair's second (no wgmma may be in flight across the loop's back edge:
+            # ptxas would serialize them all)
+            self._stamp_end(trace_at, ctid, t)
+            st, tok0, valid, stage_base = started
+            if t + 2 < n_tiles:
+                st, tok0, valid, stage_base = self._start_page(t + 2, u + 1, page_io, scale_io)
+            if const_expr(drain):
+                warpgroup.wait_group(0)
+            return later_page, st, tok0, valid, stage_base
+        else:
+            warpgroup.wait_group(0)
+            self._stamp_end(trace_at, ctid, t)
+            return later_page
 
     @cute.jit
     def _start_page(self, t: Int32, u: Int32, page_io: tuple, scale_io: tuple):
