@@ -356,9 +356,10 @@ class MLADecodeFP8F16Sm90:
     @cute.jit
     def _page(self, u: Int32, started: tuple, next_page: Int32, drain: cutlass.Constexpr[bool], ios: tuple):
         """A consumer's u-th page, t = c + 2 u: S^T, its column maxima, P^T, O^T's rescale and its P V products,
-        the refill of its stage with page t + 4 (its block-table entry next_page, read a page before) -> page
-        t + 2 + 4's entry (warp 0), and with open ends the next page's start (_start_page: stage, first token,
-        valid tokens, stage base), issued before this page's products drain, or instead of it where not drain."""
+        and the refill of its stage with page t + STAGES (whose block-table entry, next_page, warp 0 read a page
+        before). Returns the entry of page t + 2 + STAGES, for the next page's refill; with open ends also the next
+        page's start (_start_page's stage, first token, valid tokens, stage base), issued under this page's last
+        products, before their drain, or with drain=False instead of it (the pair's first page)."""
         page_io, scale_io, load_io, mma_io, soft_io, lane_io = ios
         full, k_base, start, seqlen, ctid, bar_p, trace_at, c = page_io
         ks = scale_io[1]
