@@ -138,6 +138,10 @@ FP8_F16_OPEN_END = False
 # serial start (bench/NOTES.md 171-172); at 32 rows the products in flight and S^T spill. The next page started under
 # each page's last products, as FP8_F16_OPEN_END. The same bits. Off until measured.
 FP8_F16_PAIRS = False
+# The f16-register FP8 kernel at 32 rows: K converted one ldmatrix block (two k-steps) a wgmma group instead of two,
+# half the K fragments' registers where that kernel spills (sm_90a: 48 B of stack and 11 LDL in the page loop
+# against 88 B and 22, 16 wgmma groups a page against 8; bench/NOTES.md 173). The same bits. Off until measured.
+FP8_F16_ONE_BLOCK_32 = False
 # The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
 # group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of
 # every K value times its scale in f16 (128 HMUL2; K read as e4m3 * scale rounded to f16). At 32 rows the four
@@ -286,6 +290,11 @@ def f16_pairs(narrow: int) -> bool:
     return FP8_F16_PAIRS and narrow == 16
 
 
+def f16_chunk(narrow: int) -> int:
+    """K blocks the f16-register FP8 kernel of `narrow` columns converts a wgmma group (FP8_F16_ONE_BLOCK_32)."""
+    return 1 if FP8_F16_ONE_BLOCK_32 and narrow == 32 else 2
+
+
 def kv_ring(rows: int) -> tuple[int, bool, int]:
     """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring, pages
     prefetched ahead into L2)."""
@@ -336,7 +345,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
         key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
             ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ()) + (("group-s",) if f16_group_s(narrow) else ()) + (
-            ("open-end",) if FP8_F16_OPEN_END else ()) + (("pairs",) if f16_pairs(narrow) else ())
+            ("open-end",) if FP8_F16_OPEN_END else ()) + (("pairs",) if f16_pairs(narrow) else ()) + (
+            ("one-block",) if f16_chunk(narrow) == 1 else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -362,7 +372,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                                        early_start=FP8_EARLY_START,
                                                        split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace,
                                                        group_s=f16_group_s(narrow), open_end=FP8_F16_OPEN_END,
-                                                       pairs=f16_pairs(narrow)),
+                                                       pairs=f16_pairs(narrow), chunk=f16_chunk(narrow)),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

@@ -102,7 +102,7 @@ class MLADecodeFP8F16Sm90:
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
                  split_epilogue: bool = False, trace: bool = False, group_s: bool = False, open_end: bool = False,
-                 pairs: bool = False):
+                 pairs: bool = False, chunk: int = CHUNK):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -130,6 +130,11 @@ class MLADecodeFP8F16Sm90:
         # into the second's start and S^T, drained only at the pair's end (mla_decode.FP8_F16_PAIRS; open ends)
         self.pairs = pairs
         self.open_ends = open_end or pairs
+        # K blocks converted a wgmma group: 2 (CHUNK), or 1 at 32 rows, where the registers spill
+        # (mla_decode.FP8_F16_ONE_BLOCK_32)
+        if chunk not in (1, 2):
+            raise ValueError(f"the FP8 f16 kernel converts 1 or 2 K blocks a wgmma group, got chunk={chunk}")
+        self.chunk = chunk
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -239,7 +244,8 @@ class MLADecodeFP8F16Sm90:
         acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, n)), Float32) for _ in range(M_TILES)]
         for m in cutlass.range_constexpr(M_TILES):
             acc_o[m].fill(0.0)
-        frag_k = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 32 * CHUNK))) for _ in range(2)]
+        frag_k = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 32 * self.chunk)))
+                  for _ in range(2)]
         frag_v = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((64, TILE_N))) for _ in range(2)]
         tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, n)))
 
@@ -378,7 +384,7 @@ class MLADecodeFP8F16Sm90:
         else:
             st, tok0, valid, stage_base = self._start_page(t, u, page_io, scale_io)
         vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-        # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
+        # -- S^T: k_pe (bf16, smem), then c_kv in groups of self.chunk ldmatrix blocks (f16, registers) --
         warpgroup.fence()
         atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
         for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
@@ -387,12 +393,12 @@ class MLADecodeFP8F16Sm90:
         warpgroup.commit_group()
         atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
         atom_qk.set(warpgroup.Field.ACCUMULATE, True)
-        for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
+        for j in cutlass.range_constexpr(K_BLOCKS // self.chunk):
             buf = cute.recast_tensor(frag_k[j % 2], Int32)
             if const_expr(j >= 2):
                 warpgroup.wait_group(1)     # group j - 2 (the last reader of this buffer) is done
-            for b in cutlass.range_constexpr(CHUNK):
-                blk = CHUNK * j + b
+            for b in cutlass.range_constexpr(self.chunk):
+                blk = self.chunk * j + b
                 chunk = 2 * (blk % 4) + k_half
                 w = ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
                 g = blk // 4
@@ -409,17 +415,17 @@ class MLADecodeFP8F16Sm90:
                     buf[4 * kk + 2] = hi0
                     buf[4 * kk + 3] = hi1
             warpgroup.fence()
-            for kk in cutlass.range_constexpr(2 * CHUNK):
+            for kk in cutlass.range_constexpr(2 * self.chunk):
                 if const_expr(self.group_s):
-                    # group (CHUNK j) // 4's accumulator, started by its first k-step
-                    grp = (CHUNK * j) // 4
+                    # group (self.chunk * j) // 4's accumulator, started by its first k-step
+                    grp = (self.chunk * j) // 4
                     atom_g = cute.make_mma_atom(tiled_mma_qk.op)
-                    atom_g.set(warpgroup.Field.ACCUMULATE, not ((CHUNK * j) % 4 == 0 and kk == 0))
+                    atom_g.set(warpgroup.Field.ACCUMULATE, not ((self.chunk * j) % 4 == 0 and kk == 0))
                     cute.gemm(atom_g, acc_g[grp], frag_k[j % 2][None, None, kk],
-                              tSrQ[None, None, 2 * CHUNK * j + kk], acc_g[grp])
+                              tSrQ[None, None, 2 * self.chunk * j + kk], acc_g[grp])
                 else:
                     cute.gemm(atom_qk, acc_s, frag_k[j % 2][None, None, kk],
-                              tSrQ[None, None, 2 * CHUNK * j + kk], acc_s)
+                              tSrQ[None, None, 2 * self.chunk * j + kk], acc_s)
             warpgroup.commit_group()
         warpgroup.wait_group(0)
         if const_expr(self.group_s):
