@@ -36,6 +36,8 @@ switches, read at launch (so captured with each graph):
                  --set FP8_F16_OPEN_END=1: against open ends alone)
   FP8_F16_ONE_BLOCK_32  cutedsl: the 32-row f16-register FP8 kernel converting K one ldmatrix block a wgmma group
                  against two (fewer registers spilled)
+  FP8_F16_STAGGER  cutedsl: the f16-register FP8 kernel's consumers asking for their second page once their first
+                 has landed against both pages at the start
   FP8_F16_GROUP_S  cutedsl: the 16-row f16-register FP8 kernel's S^T by scale group from the exact e4m3 values,
                  the scales applied to the groups' accumulators in fp32, against each K value scaled in f16
   FP8_SEESAW_PREFETCH  cutedsl: FP8 at more than 32 rows (the seesaw's register-path loader) asking L2 for the page
@@ -269,6 +271,7 @@ SWITCHES = {
     "FP8_F16_OPEN_END": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_OPEN_END")),
     "FP8_F16_PAIRS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_PAIRS")),
     "FP8_F16_ONE_BLOCK_32": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_ONE_BLOCK_32")),
+    "FP8_F16_STAGGER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_STAGGER")),
     "FP8_SEESAW_PREFETCH": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_PREFETCH")),
     "FP8_SEESAW_BT_SMEM": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_BT_SMEM")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),

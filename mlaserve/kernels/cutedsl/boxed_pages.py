@@ -87,14 +87,16 @@ def kernel_start(shared_storage, mLse: cute.Tensor, mPO: cute.Tensor, ordered: c
 def first_pages(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAtom, mSc_tma: cute.Tensor,
                 tma_pe: cute.CopyAtom, mPE_tma: cute.Tensor, sK: cute.Tensor, sSc: cute.Tensor, sPE: cute.Tensor,
                 mBT: cute.Tensor, mSeqlens: cute.Tensor, batch: Int32, split: Int32, num_splits: Int32, c: Int32,
-                warp: Int32, lane: Int32, full: cute.Pointer, bt_early: cutlass.Constexpr[bool] = False):
-    """The split's pages and the TMA partitions; each consumer's warp 0 loads its first two pages (consumer 0's
-    first prefetches the descriptors) -> (seqlen, start, n_tiles, first_page, partitions as load_page takes
-    them). bt_early (unsplit launches, whose first page is 0): those pages' block-table entries are read beside
-    the request's length instead of after it, so that the first loads wait for one global read, not two."""
+                warp: Int32, lane: Int32, full: cute.Pointer, bt_early: cutlass.Constexpr[bool] = False,
+                loads: cutlass.Constexpr[int] = STAGES // 2):
+    """The split's pages and the TMA partitions; each consumer's warp 0 loads its first `loads` pages (two, or
+    one where the kernel asks for the second later; consumer 0's first prefetches the descriptors) -> (seqlen,
+    start, n_tiles, first_page, partitions as load_page takes them). bt_early (unsplit launches, whose first page
+    is 0): those pages' block-table entries are read beside the request's length instead of after it, so that the
+    first loads wait for one global read, not two."""
     early = []
     if const_expr(bt_early):
-        for p in cutlass.range_constexpr(STAGES // 2):
+        for p in cutlass.range_constexpr(loads):
             # a column within the table whatever the request's length (its entry is used only below that length)
             col = cutlass.min(c + 2 * p, mBT.shape[1] - 1)
             early.append(ld_global_b32(mBT.iterator.toint() + cutlass.Int64(batch * mBT.shape[1] + col) * 4))
@@ -108,7 +110,7 @@ def first_pages(tma_kv: cute.CopyAtom, mKV_tma: cute.Tensor, tma_sc: cute.CopyAt
             cpasync.prefetch_descriptor(tma_kv)
             cpasync.prefetch_descriptor(tma_sc)
             cpasync.prefetch_descriptor(tma_pe)
-        for p in cutlass.range_constexpr(STAGES // 2):
+        for p in cutlass.range_constexpr(loads):
             if c + 2 * p < n_tiles:
                 if const_expr(bt_early):
                     load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, early[p], c + 2 * p, lane)

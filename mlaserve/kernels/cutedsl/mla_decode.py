@@ -142,6 +142,11 @@ FP8_F16_PAIRS = False
 # half the K fragments' registers where that kernel spills (sm_90a: 48 B of stack and 11 LDL in the page loop
 # against 88 B and 22, 16 wgmma groups a page against 8; bench/NOTES.md 173). The same bits. Off until measured.
 FP8_F16_ONE_BLOCK_32 = False
+# The f16-register FP8 kernel's start: each consumer asks for its second page once its first has landed, instead of
+# both at the start. On the H200 (bench/NOTES.md 168, 174) a consumer's first page lands ~8.4 us after the start at
+# b128 h16 8k: the grid's 4 pages a CTA (21 MB) share the memory, while the consumers, not the memory, set the pace
+# afterwards. The same bits. Off until measured.
+FP8_F16_STAGGER = False
 # The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
 # group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of
 # every K value times its scale in f16 (128 HMUL2; K read as e4m3 * scale rounded to f16). At 32 rows the four
@@ -346,7 +351,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
         key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
             ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ()) + (("group-s",) if f16_group_s(narrow) else ()) + (
             ("open-end",) if FP8_F16_OPEN_END else ()) + (("pairs",) if f16_pairs(narrow) else ()) + (
-            ("one-block",) if f16_chunk(narrow) == 1 else ())
+            ("one-block",) if f16_chunk(narrow) == 1 else ()) + (("stagger",) if FP8_F16_STAGGER else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -372,7 +377,8 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                                                        early_start=FP8_EARLY_START,
                                                        split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace,
                                                        group_s=f16_group_s(narrow), open_end=FP8_F16_OPEN_END,
-                                                       pairs=f16_pairs(narrow), chunk=f16_chunk(narrow)),
+                                                       pairs=f16_pairs(narrow), chunk=f16_chunk(narrow),
+                                                       stagger=FP8_F16_STAGGER),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

@@ -102,7 +102,7 @@ class MLADecodeFP8F16Sm90:
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
                  split_epilogue: bool = False, trace: bool = False, group_s: bool = False, open_end: bool = False,
-                 pairs: bool = False, chunk: int = CHUNK):
+                 pairs: bool = False, chunk: int = CHUNK, stagger: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -135,6 +135,9 @@ class MLADecodeFP8F16Sm90:
         if chunk not in (1, 2):
             raise ValueError(f"the FP8 f16 kernel converts 1 or 2 K blocks a wgmma group, got chunk={chunk}")
         self.chunk = chunk
+        # each consumer's second page asked for once its first has landed, instead of both at the start, so that
+        # the grid's first pages do not share the memory with its second ones (mla_decode.FP8_F16_STAGGER)
+        self.stagger = stagger
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -222,7 +225,7 @@ class MLADecodeFP8F16Sm90:
             q_words, q_pe = load_q(mQ.iterator.toint(), batch, rows, tidx, n)
         seqlen, start, n_tiles, first_page, (tKs, tKg, tSs, tSg, tPs, tPg) = first_pages(
             tma_kv, mKV_tma, tma_sc, mSc_tma, tma_pe, mPE_tma, sK, sSc, sPE, mBT, mSeqlens, batch, split, num_splits,
-            c, warp, lane, full, bt_early=self.early_start and not self.is_split)
+            c, warp, lane, full, bt_early=self.early_start and not self.is_split, loads=1 if self.stagger else 2)
         if const_expr(not self.early_start):
             q_words, q_pe = load_q(mQ.iterator.toint(), batch, rows, tidx, n)
         store_q_f16(q_words, q_pe, rows, tidx, n, storage.sQ.data_ptr().toint(), storage.sQpe.data_ptr().toint(),
@@ -296,6 +299,12 @@ class MLADecodeFP8F16Sm90:
         next_page = Int32(0)
         if warp == 0 and c + STAGES < n_tiles:
             next_page = mBT[batch, first_page + c + STAGES]
+        if const_expr(self.stagger):
+            # the consumer's second page, once its first has landed (its stage's first phase)
+            if warp == 0 and c + 2 < n_tiles:
+                second = mBT[batch, first_page + c + 2]
+                cute.arch.mbarrier_wait(full + c, 0)
+                load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, second, c + 2, lane)
         page_io = (full, k_base, start, seqlen, ctid, bar_p, trace_at, c)
         scale_io = (sSc, ks, k0, vb_key, vb_g, vb_c, vb_j, vs_base)
         if const_expr(self.open_ends):
