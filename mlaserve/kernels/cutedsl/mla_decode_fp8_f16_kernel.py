@@ -53,6 +53,10 @@ Start and end (bench/NOTES.md 134-136): with early_start (mla_decode.FP8_EARLY_S
 Q reads before the first pages' loads, and unsplit launches read those pages' block-table entries beside the
 request's length (1.008-1.014x on an H100); with split_epilogue (FP8_SPLIT_EPILOGUE, on) both consumers merge and
 store half of O^T each instead of consumer 0 all of it (1.001-1.006x on an H100; the same bits).
+Built, the same bits, not yet timed (off; bench/NOTES.md 169-174): open_end (a page's next page started under its
+last products), pairs (16 rows: two pages a loop iteration, the first's products in flight into the second),
+chunk 1 (32 rows: one K block a wgmma group, fewer spills), stagger (a consumer's second page asked for once its
+first has landed).
 
 A wide form for more rows (64 a CTA, each consumer 32 of them over every page, converting each page twice a
 CTA) measured 0.74-0.80x the 64-row kernel on an H100 and was taken out (bench/NOTES.md 129,
