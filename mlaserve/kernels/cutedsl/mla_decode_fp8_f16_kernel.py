@@ -53,7 +53,7 @@ Start and end (bench/NOTES.md 134-136): with early_start (mla_decode.FP8_EARLY_S
 Q reads before the first pages' loads, and unsplit launches read those pages' block-table entries beside the
 request's length (1.008-1.014x on an H100); with split_epilogue (FP8_SPLIT_EPILOGUE, on) both consumers merge and
 store half of O^T each instead of consumer 0 all of it (1.001-1.006x on an H100; the same bits).
-Built, the same bits, not yet timed (off; bench/NOTES.md 169-174): open_end (a page's next page started under its
+Built, the same bits, not yet timed (off; bench/NOTES.md 169-174): open ends (a page's next page started under its
 last products), pairs (16 rows: two pages a loop iteration, the first's products in flight into the second),
 chunk 1 (32 rows: one K block a wgmma group, fewer spills), stagger (a consumer's second page asked for once its
 first has landed).
@@ -127,12 +127,11 @@ class MLADecodeFP8F16Sm90:
         # S^T from the exact e4m3 values into one accumulator per scale group, the groups' scales applied to the
         # accumulators in fp32 (mla_decode.FP8_F16_GROUP_S), instead of each K value times its scale in f16
         self.group_s = group_s
-        # the next page started (its barrier wait, scales, V-scale table) between the issue of a page's last P V
-        # products and their drain, instead of after the drain (mla_decode.FP8_F16_OPEN_END)
-        self.open_end = open_end
         # two of a consumer's pages an iteration (an odd count's first alone): the first's products left in flight
-        # into the second's start and S^T, drained only at the pair's end (mla_decode.FP8_F16_PAIRS; open ends)
+        # into the second's start and S^T, drained only at the pair's end (mla_decode.FP8_F16_PAIRS)
         self.pairs = pairs
+        # open ends: the next page started (its barrier wait, scales, V-scale table) between the issue of a page's
+        # last P V products and their drain, instead of after the drain (mla_decode.FP8_F16_OPEN_END; pairs too)
         self.open_ends = open_end or pairs
         # K blocks converted a wgmma group: 2 (CHUNK), or 1 at 32 rows, where the registers spill
         # (mla_decode.FP8_F16_ONE_BLOCK_32)
@@ -543,7 +542,7 @@ class MLADecodeFP8F16Sm90:
 
     @cute.jit
     def _stamp_end(self, trace_at: cutlass.Int64, ctid: Int32, t: Int32):
-        """A traced launch's clock of page t's products' end (issued, with open_end)."""
+        """A traced launch's clock of page t's products' end (issued, with open ends)."""
         if const_expr(self.trace):
             if ctid == 0 and t < TRACE_PAGES:
                 _stamp(trace_at, T_PAGES_AT + 2 * t + 1, cute.arch.clock())
