@@ -68,6 +68,21 @@ def take_column_max(col_m: cute.Tensor, col_l: cute.Tensor, alpha: cute.Tensor, 
 
 
 @cute.jit
+def rescale_moved(acc_o: list, col_m: cute.Tensor, m_prev: cute.Tensor, alpha: cute.Tensor,
+                  n: cutlass.Constexpr[int]):
+    """O^T's tiles times alpha by column where any of the thread's columns' maxima moved this page (col_m against
+    m_prev); a warp vote, so that a warp rescales all or nothing: alpha is 1 where a max did not move, and every
+    warp sees the same maxima."""
+    moved = col_m[0] != m_prev[0]
+    for s in cutlass.range_constexpr(1, cute.size(col_m)):
+        moved = moved | (col_m[s] != m_prev[s])
+    if cute.arch.vote_any_sync(moved):
+        for m in cutlass.range_constexpr(len(acc_o)):
+            for i in cutlass.range_constexpr(cute.size(acc_o[m])):
+                acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+
+
+@cute.jit
 def exp_columns(acc_s: cute.Tensor, m_base: cute.Tensor, col_l: cute.Tensor, n: cutlass.Constexpr[int]):
     """P = exp2(S - m_base) in place, each column's part of the sum added into col_l."""
     for i in cutlass.range_constexpr(cute.size(acc_s)):

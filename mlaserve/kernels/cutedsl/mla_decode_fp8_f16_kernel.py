@@ -77,7 +77,7 @@ from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_t
 from mlaserve.kernels.cutedsl.fragment_ops import (
     cvt_pair, e4m3x4_to_f16, e4m3x4_to_f16_exact, ld_shared_v4, ldsm_x4, st_shared_words, v_fragment)
 from mlaserve.kernels.cutedsl.keys_on_m import (
-    col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, take_column_max)
+    col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, rescale_moved, take_column_max)
 from mlaserve.kernels.cutedsl.boxed_pages import (
     BAR_MERGE, BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages,
     kernel_start, load_page, merge_stash, one_consumer_end, page_host_setup, stash_consumer, stash_tensors,
@@ -465,15 +465,8 @@ class MLADecodeFP8F16Sm90:
             st_shared_words(p_addr[s], [cvt_pair(acc_s[i], acc_s[i + 2])])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
-        # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved: alpha is 1 elsewhere,
-        # and every warp sees the same maxima) --
-        moved = col_m[0] != m_prev[0]
-        for s in cutlass.range_constexpr(1, slots):
-            moved = moved | (col_m[s] != m_prev[s])
-        if cute.arch.vote_any_sync(moved):
-            for m in cutlass.range_constexpr(M_TILES):
-                for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                    acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, n)]
+        # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved) --
+        rescale_moved(acc_o, col_m, m_prev, alpha, n)
         vsw = cute.make_rmem_tensor(8, Int32)
         for m in cutlass.range_constexpr(M_TILES):
             if const_expr(m % 2 == 0):

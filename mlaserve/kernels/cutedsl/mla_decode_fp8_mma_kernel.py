@@ -51,7 +51,7 @@ from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_t
 from mlaserve.kernels.cutedsl.fragment_ops import (
     bf16x2_to_f32, ld_global_v4_b32, pow2_scale, prmt, st_shared_words, v_fragment)
 from mlaserve.kernels.cutedsl.keys_on_m import (
-    col_slot, columns, exp_columns, mask_keys, store_lse, take_column_max)
+    col_slot, columns, exp_columns, mask_keys, rescale_moved, store_lse, take_column_max)
 from mlaserve.kernels.cutedsl.request_rows import first_masked_key, ordered_tensors, visible_keys
 
 N = 16                # query rows a CTA
@@ -289,14 +289,8 @@ class MLADecodeFP8MmaSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
             # -- O^T = alpha O^T + sum_m V^T_m P_g^T, each tile's product folded in fp32 (O^T rescaled only
-            # where a column's max moved: alpha is 1 elsewhere, and every warp sees the same maxima) --
-            moved = col_m[0] != m_prev[0]
-            for s in cutlass.range_constexpr(1, slots):
-                moved = moved | (col_m[s] != m_prev[s])
-            if cute.arch.vote_any_sync(moved):
-                for m in cutlass.range_constexpr(M_TILES):
-                    for i in cutlass.range_constexpr(cute.size(acc_o[m])):
-                        acc_o[m][i] = acc_o[m][i] * alpha[col_slot(i, N)]
+            # where a column's max moved) --
+            rescale_moved(acc_o, col_m, m_prev, alpha, N)
             atom_pv = cute.make_mma_atom(tiled_mma_pv.op)
             for m in cutlass.range_constexpr(M_TILES + 1):
                 if const_expr(m < M_TILES):
