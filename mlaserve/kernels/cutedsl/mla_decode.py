@@ -131,21 +131,21 @@ FP8_SPLIT_EPILOGUE = True
 # between the page's last P V products and their drain (a warpgroup wait_group(0) a page), instead of after it. On
 # the H200 (bench/NOTES.md 168-169) both consumers are busy computing at b32-b128 h16 / h32 and each page starts
 # ~0.25 us after the previous one's products end (~9% of a page at h16) whatever the load: the loop's start, not the
-# memory. The same bits. Off until measured.
+# memory. Built for the same bits (not yet run on a GPU). Off until measured.
 FP8_F16_OPEN_END = False
 # The f16-register FP8 kernel at 16 rows: two of a consumer's pages a loop iteration (an odd count's first alone), the
 # first's P V products left in flight into the second's start and S^T, so that half the page ends have no drain and no
 # serial start (bench/NOTES.md 171-172); at 32 rows the products in flight and S^T spill. The next page started under
-# each page's last products, as FP8_F16_OPEN_END. The same bits. Off until measured.
+# each page's last products, as FP8_F16_OPEN_END. Built for the same bits (not yet run on a GPU). Off until measured.
 FP8_F16_PAIRS = False
 # The f16-register FP8 kernel at 32 rows: K converted one ldmatrix block (two k-steps) a wgmma group instead of two,
 # half the K fragments' registers where that kernel spills (sm_90a: 48 B of stack and 11 LDL in the page loop
-# against 88 B and 22, 16 wgmma groups a page against 8; bench/NOTES.md 173). The same bits. Off until measured.
+# against 88 B and 22, 16 wgmma groups a page against 8; bench/NOTES.md 173). Built for the same bits. Off until timed.
 FP8_F16_ONE_BLOCK_32 = False
 # The f16-register FP8 kernel's start: each consumer asks for its second page once its first has landed, instead of
 # both at the start. On the H200 (bench/NOTES.md 168, 174) a consumer's first page lands ~8.4 us after the start at
 # b128 h16 8k: the grid's 4 pages a CTA (21 MB) share the memory, while the consumers, not the memory, set the pace
-# afterwards. The same bits. Off until measured.
+# afterwards. Built for the same bits (not yet run on a GPU). Off until measured.
 FP8_F16_STAGGER = False
 # The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
 # group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of
