@@ -10,6 +10,20 @@ COMPILE_ADDRESS = 1 << 20
 REGISTER_FILE = 65536   # 32-bit registers an SM has; ptxas allocates them 8 a thread at a time
 
 
+D_QK = 576              # q's and a cached token's width: the latent (512) and the rope part (64)
+HEAD_DIM_V = 512        # the output's width: the latent
+
+
+def check_query(kernel: str, q_shape, q_dtype: torch.dtype, head_dim_v: int) -> None:
+    """Raise ValueError naming the values unless q is bf16/fp16 [b, s_q, h, D_QK] and head_dim_v is HEAD_DIM_V
+    (`kernel` names the caller in the message)."""
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the {kernel} takes bf16/fp16 q, got {q_dtype}")
+    if len(q_shape) != 4 or q_shape[3] != D_QK or head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"the {kernel} needs q [b, s_q, h, {D_QK}] and head_dim_v {HEAD_DIM_V}, "
+                         f"got q shape {tuple(q_shape)} and head_dim_v {head_dim_v}")
+
+
 def register_split_fits(*groups: tuple[int, int]) -> bool:
     """Whether a warp-specialized kernel's setmaxnreg split -- (threads, registers a thread) per role -- fits the
     CTA's launch allocation: its threads x the most registers a thread can have at launch (65536 / threads, at

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from mlaserve.kernels import fp8_format
+from mlaserve.kernels.cutedsl.common import D_QK, HEAD_DIM_V, check_query
 from mlaserve.kernels.triton import stream_k
 from mlaserve.kernels.triton.mla_decode_plan import MLADecodeConfig, MLADecodePlan
 from mlaserve.kernels.triton.mla_decode_plan import _num_sms, balanced_splits, full_wave_splits
@@ -19,10 +20,7 @@ from mlaserve.kernels.triton.mla_decode_plan import plan_mla_decode as _plan_mla
 
 TILE_M = 64
 PAGE_SIZE = 64
-D_QK = 576
-HEAD_DIM_V = 512
 MAX_BATCH = 65535      # the batch rides on the grid's z axis
-_DTYPES = (torch.bfloat16, torch.float16)
 
 # What choose_num_splits needs to know of this kernel: 64-row tiles, one program per tile and split,
 # splits of at least 256 tokens (num_warps/num_stages are the Triton kernel's knobs, unused here).
@@ -33,11 +31,7 @@ CONFIG = MLADecodeConfig(block_h=TILE_M, block_n=PAGE_SIZE, v_split=1, min_split
 
 def check_supported(q_shape, q_dtype: torch.dtype, kv_shape, kv_dtype: torch.dtype, head_dim_v: int) -> None:
     """Raise ValueError naming the values when this kernel cannot take these shapes/dtypes."""
-    if q_dtype not in _DTYPES:
-        raise ValueError(f"the cutedsl MLA decode takes bf16/fp16 q, got {q_dtype}")
-    if len(q_shape) != 4 or q_shape[3] != D_QK or head_dim_v != HEAD_DIM_V:
-        raise ValueError(f"the cutedsl MLA decode needs q [b, s_q, h, {D_QK}] and head_dim_v {HEAD_DIM_V}, "
-                         f"got q shape {tuple(q_shape)} and head_dim_v {head_dim_v}")
+    check_query("cutedsl MLA decode", q_shape, q_dtype, head_dim_v)
     if kv_dtype == torch.uint8:
         _check_fp8(q_dtype, kv_shape)
     else:

@@ -26,13 +26,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from mlaserve.kernels.cutedsl.common import cute_dtype, gmem_pointers
+from mlaserve.kernels.cutedsl.common import D_QK, HEAD_DIM_V, check_query, cute_dtype, gmem_pointers
 from mlaserve.kernels.triton.sparse_mla import choose_num_splits
 
 TILE_M = 64            # heads per CTA
 TILE_N = 64            # gathered rows per pipeline stage
-D_QK = 576
-HEAD_DIM_V = 512
 MAX_SPLITS = 65535     # the split rides on the grid's y axis
 MAX_CTAS = 2 ** 31 - 1  # head blocks x tokens on the grid's x axis
 # blocks of 64 heads (out, or the fp32 split partials) stored 16 bytes at a time after a transpose within each quad
@@ -55,7 +53,6 @@ FP8_HALF_RING = True
 # half ring, top-k 2048): b64 h128 / b128 h64 / b64 h128 s_q2 1.009 / 1.008 / 1.011x (False: for A/B runs)
 FP8_ONE_BARRIER = True
 FP8_ROW_BYTES = 656
-_DTYPES = (torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
 # seconds spent compiling each specialization, by compile key (dtype, split, fp8 cache), with "first-slice"
@@ -76,11 +73,7 @@ class SparseSplitPlan:
 def check_supported(q_shape, q_dtype: torch.dtype, kv_shape, kv_dtype: torch.dtype, indices_shape,
                     indices_dtype: torch.dtype, head_dim_v: int) -> None:
     """Raise ValueError naming the values when this kernel cannot take these shapes/dtypes."""
-    if q_dtype not in _DTYPES:
-        raise ValueError(f"the cutedsl sparse MLA takes bf16/fp16 q, got {q_dtype}")
-    if len(q_shape) != 4 or q_shape[3] != D_QK or head_dim_v != HEAD_DIM_V:
-        raise ValueError(f"the cutedsl sparse MLA needs q [b, s_q, h, {D_QK}] and head_dim_v {HEAD_DIM_V}, "
-                         f"got q shape {tuple(q_shape)} and head_dim_v {head_dim_v}")
+    check_query("cutedsl sparse MLA", q_shape, q_dtype, head_dim_v)
     if kv_dtype == torch.uint8:
         if q_dtype != torch.bfloat16:
             raise ValueError(f"the cutedsl sparse MLA reads the FP8 KV cache with bf16 q, got {q_dtype}")
