@@ -105,16 +105,14 @@ fi
 
 # -- CuTe DSL, in one call per part on a warm machine (its library is larger than one call may carry) --
 #   run(command="PHASES=env,cutedsl1 bash scripts/device_run.sh", carry=[".cutedsl/part00", ".peers/GIT_COMMIT"])
-#   run(command="PHASES=env,cutedsl1 bash scripts/device_run.sh", carry=[".cutedsl/part01", ".peers/GIT_COMMIT"])
 #   run(command="PHASES=env,cutedsl2,... bash scripts/device_run.sh",
-#       carry=[".cutedsl/part02", ".cutedsl/wheels", ".peers/GIT_COMMIT"])
+#       carry=[".cutedsl/part01", ".cutedsl/wheels", ".peers/GIT_COMMIT"])
 # each within 30 s of the last; later calls on that machine find it in /tmp/site and put it on the path. A call
-# carries 64 MiB with the working tree (~32 MB, most of it bench/results, growing with each committed run): the
-# compressed library (~63.5 MB) goes in as many parts as scripts/pack_for_device.sh cut (CUTEDSL_PARTS, 3 since the
-# tree grew past 32 MB: two parts of 31-34.5 MB left no room), cutedsl1 keeping each carried part (and the wheels,
+# carries 64 MiB with the working tree (~20 MB, most of it bench/results, whose large JSON files are kept gzipped
+# for this): the compressed library (~63.5 MB) goes in as many parts as scripts/pack_for_device.sh cut
+# (CUTEDSL_PARTS, default 2; 3 while the tree was past 32 MB), cutedsl1 keeping each carried part (and the wheels,
 # wherever they travel) in /tmp/cutedsl, cutedsl2 keeping the last and unpacking them all in order. The last part's
-# call has ~9 MB of room (the others ~13): the peers (e.g. .peers/flashmla) still come in a later call with
-# PHASES=env,install,bench.
+# call has ~11 MB of room: the peers (e.g. .peers/flashmla) still come in a later call with PHASES=env,install,bench.
 keep_parts() {
   mkdir -p "$DEVICE_STAGE"
   for f in .cutedsl/part*; do if [ -f "$f" ]; then cp "$f" "$DEVICE_STAGE/"; fi; done

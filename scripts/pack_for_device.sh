@@ -71,10 +71,11 @@ else
 fi
 
 # CuTe DSL (issue 7), only when asked: CUTEDSL=1. Its compiler library is over one call's 64 MiB even
-# compressed, so it lives apart in .cutedsl/, cut into CUTEDSL_PARTS parts (default 3) that travel one call each on
+# compressed, so it lives apart in .cutedsl/, cut into CUTEDSL_PARTS parts (default 2) that travel one call each on
 # a warm machine, the wheels with the last (scripts/device_run.sh's phases cutedsl1 and cutedsl2 say how). The
-# shared packing tool cuts two parts of 31 MB; beside a working tree past 32 MB one of them no longer fits a call,
-# so they are joined and cut again here. About 4 minutes of xz here the first time.
+# shared packing tool cuts parts of 31 MB (two, and 1.5 MB over); they are joined and cut again here into equal
+# parts, more of them (CUTEDSL_PARTS=3) if the working tree grows past ~30 MB. About 4 minutes of xz here the first
+# time.
 if [ "${CUTEDSL:-0}" = 1 ]; then
   if ls .cutedsl/part00 .cutedsl/wheels/*.whl >/dev/null 2>&1; then
     echo "cutedsl: already packed"
@@ -86,7 +87,7 @@ if [ "${CUTEDSL:-0}" = 1 ]; then
     if [ -z "$cutedsl_tool" ]; then echo "cutedsl: pack-cutedsl-for-device.sh not found" >&2; exit 1; fi
     bash "$cutedsl_tool" "$root/.cutedsl"
   fi
-  want=${CUTEDSL_PARTS:-3}
+  want=${CUTEDSL_PARTS:-2}
   parts=(.cutedsl/part*)
   if [ "${#parts[@]}" -ne "$want" ]; then
     cat "${parts[@]}" > .cutedsl/joined.tmp
