@@ -124,7 +124,7 @@ FP8_F16 = True
 FP8_EARLY_START = True
 # The f16-register FP8 kernel's end: both consumers merge, normalize and store half of O^T each (each stashes the
 # other's half in its own stages), instead of consumer 0 all of it while consumer 1 waits. The same bits (consumer 1
-# writes its merge's fma out: boxed_pages.merge_stash). On an H100 (bench/NOTES.md 136; decode_ab, --sustain-ms 20,
+# writes its merge's fma out: consumer_ends.merge_stash). On an H100 (bench/NOTES.md 136; decode_ab, --sustain-ms 20,
 # off/on): b128 h16 4k / 8k 1.003 / 1.003x, h32 4k / 8k 1.003 / 1.006x, b16 h32 32k (split) 1.001x (False: for A/B)
 FP8_SPLIT_EPILOGUE = True
 # The f16-register FP8 kernel's page end: the next page's start (its barrier wait, scales and V-scale table) issued

@@ -77,11 +77,11 @@ from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_t
 from mlaserve.kernels.cutedsl.fragment_ops import (
     cvt_pair, e4m3x4_to_f16, e4m3x4_to_f16_exact, ld_shared_v4, ldsm_x4, st_shared_words, v_fragment)
 from mlaserve.kernels.cutedsl.keys_on_m import (
-    col_slot, columns, exp_columns, finish_columns, mask_keys, publish_column_max, rescale_moved, take_column_max)
+    col_slot, columns, exp_columns, mask_keys, publish_column_max, rescale_moved, take_column_max)
 from mlaserve.kernels.cutedsl.boxed_pages import (
-    BAR_MERGE, BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages,
-    kernel_start, load_page, merge_stash, one_consumer_end, page_host_setup, stash_consumer, stash_tensors,
-    store_rows, wait_page)
+    BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start,
+    load_page, page_host_setup, wait_page)
+from mlaserve.kernels.cutedsl.consumer_ends import one_consumer_end, split_consumer_end, stash_tensors, store_rows
 from mlaserve.kernels.cutedsl.request_rows import first_masked_key, ordered_tensors, visible_keys
 
 K_BLOCKS = D_V // 32  # ldmatrix .x4 blocks of K a page (two k-steps each)
@@ -350,9 +350,9 @@ class MLADecodeFP8F16Sm90:
             # -- each consumer merges, normalizes and stores half of O^T's dims (consumer c: tiles 4 c .. 4 c + 3) --
             out_io = (tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL)
             if c == 0:
-                _finish_half(0, acc_o, col_m, col_l, ctid, storage, sRed, n_tiles, out_io, n, self.is_split)
+                split_consumer_end(0, acc_o, col_m, col_l, ctid, storage, sRed, n_tiles, out_io, n, self.is_split)
             else:
-                _finish_half(1, acc_o, col_m, col_l, ctid, storage, sRed, n_tiles, out_io, n, self.is_split)
+                split_consumer_end(1, acc_o, col_m, col_l, ctid, storage, sRed, n_tiles, out_io, n, self.is_split)
         else:
             # -- consumer 1 leaves O^T in its stages 1 and 3, maxima and sums in its k_pe stage 1 --
             merge, merge_ml = stash_tensors(
@@ -573,37 +573,3 @@ def _page_scales(st: Int32, valid: Int32, u: Int32, scale_io: tuple, group_s: cu
         sb = Float32(0.0)
     vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
     st_shared_words(vs_page + ((vb_g * 4 + vb_c) * 8 + vb_j) * 4, [cvt_pair(sa, sb)])
-
-
-@cute.jit
-def _finish_half(cc: cutlass.Constexpr[int], acc_o: list, col_m: cute.Tensor, col_l: cute.Tensor, ctid: Int32,
-                 storage, sRed: cute.Tensor, n_tiles: Int32, out_io: tuple, n: cutlass.Constexpr[int],
-                 is_split: cutlass.Constexpr[bool]):
-    """Consumer cc's end with the epilogue split (mla_decode.FP8_SPLIT_EPILOGUE): it leaves the other half's O^T
-    tiles, its maxima and its sums in its own stage cc and k_pe stage cc (its pages are all read), and after one
-    barrier of both folds the other's stash into its own half, tiles 4 cc .. 4 cc + 3 (dims 256 cc ..), normalizes
-    and stores them; consumer 0 stores the lse. merge_stash writes every product consumer 0's value first, so
-    that the result has the same bits as the one-consumer end."""
-    half = M_TILES // 2
-    vals = cute.size(acc_o[0])
-    slots = cute.size(col_m)
-    mine = [half * cc + j for j in range(half)]
-    own, own_ml = stash_tensors(
-        [cute.recast_ptr(storage.sK.data_ptr() + cc * KV_BYTES, dtype=Float32)],
-        cute.recast_ptr(storage.sPE.data_ptr() + cc * (TILE_N * D_PE), dtype=Float32), vals, slots,
-        CONSUMER_THREADS, tiles=half)
-    other, other_ml = stash_tensors(
-        [cute.recast_ptr(storage.sK.data_ptr() + (1 - cc) * KV_BYTES, dtype=Float32)],
-        cute.recast_ptr(storage.sPE.data_ptr() + (1 - cc) * (TILE_N * D_PE), dtype=Float32), vals, slots,
-        CONSUMER_THREADS, tiles=half)
-    stash_consumer(acc_o, col_m, col_l, ctid, own, own_ml, tiles=[half * (1 - cc) + j for j in range(half)])
-    cute.arch.barrier(barrier_id=BAR_MERGE, number_of_threads=THREADS)
-    merge_stash(acc_o, col_m, col_l, ctid, other, other_ml, n, tiles=mine, own_first=cc == 0)
-    tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL = out_io
-    # the sums' exchange on the parity this consumer's last page did not use
-    par = (n_tiles + 1) // 2 % 2
-    if const_expr(cc == 1):
-        par = n_tiles // 2 % 2
-    inv_l, lse = finish_columns(col_m, col_l, cols, lane, warp, sRed, (par, cc), BAR_RED + 2 * cc, CONSUMER_THREADS)
-    store_rows(acc_o, inv_l, lse, tOcO, cols, lane, warp, rows, batch, split, mOut, mLse, mPO, mPL, n, is_split,
-               tiles=mine, lse_too=cc == 0)

@@ -46,7 +46,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from mlaserve.kernels.cutedsl.boxed_pages import (
     BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start,
-    load_page, one_consumer_end, page_host_setup, stash_tensors, store_rows, v_dim, wait_page)
+    load_page, page_host_setup, v_dim, wait_page)
+from mlaserve.kernels.cutedsl.consumer_ends import one_consumer_end, stash_tensors, store_rows
 from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_tensors
 from mlaserve.kernels.cutedsl.fragment_ops import (
     bf16x2_to_f32, ld_global_v4_b32, pow2_scale, prmt, st_shared_words, v_fragment)
