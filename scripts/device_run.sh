@@ -111,8 +111,9 @@ fi
 # carries 64 MiB with the working tree (~20 MB, most of it bench/results, whose large JSON files are kept gzipped
 # for this): the compressed library (~63.5 MB) goes in as many parts as scripts/pack_for_device.sh cut
 # (CUTEDSL_PARTS, default 2; 3 while the tree was past 32 MB), cutedsl1 keeping each carried part (and the wheels,
-# wherever they travel) in /tmp/cutedsl, cutedsl2 keeping the last and unpacking them all in order. The last part's
-# call has ~11 MB of room: the peers (e.g. .peers/flashmla) still come in a later call with PHASES=env,install,bench.
+# wherever they travel) in /tmp/cutedsl, cutedsl2 keeping the last and unpacking them all in order. The first
+# part's call has room for .peers/flashmla (~9.5 MB; PHASES=env,cutedsl1,install puts it in /tmp/site, where a later
+# PHASES=env,install,bench call on the machine finds it); the last part's has ~11 MB.
 keep_parts() {
   mkdir -p "$DEVICE_STAGE"
   for f in .cutedsl/part*; do if [ -f "$f" ]; then cp "$f" "$DEVICE_STAGE/"; fi; done
