@@ -145,8 +145,9 @@ FP8_F16_ONE_BLOCK_32 = False
 # The f16-register FP8 kernel's start: each consumer asks for its second page once its first has landed, instead of
 # both at the start. On the H200 (bench/NOTES.md 168, 174) a consumer's first page lands ~8.4 us after the start at
 # b128 h16 8k: the grid's 4 pages a CTA (21 MB) share the memory, while the consumers, not the memory, set the pace
-# afterwards. Built for the same bits (not yet run on a GPU). Off until measured.
-FP8_F16_STAGGER = False
+# afterwards. The same bits (GPU test). On an H100 (NOTES 178; decode_ab off/on, --sustain-ms 20): b128 h32 4k / 8k
+# 1.016 / 1.009x, b16 h32 32k 1.014x, b128 h16 4k / 8k 1.002 / 1.000x (False: for A/B)
+FP8_F16_STAGGER = True
 # The f16-register FP8 kernel at 16 rows: S^T from the pages' exact e4m3 values, one accumulator per 128-column scale
 # group, each group's product times its keys' scales in fp32 after the wgmmas (32 FFMA a page and thread), instead of
 # every K value times its scale in f16 (128 HMUL2; K read as e4m3 * scale rounded to f16). At 32 rows the four
