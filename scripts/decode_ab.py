@@ -29,13 +29,6 @@ switches, read at launch (so captured with each graph):
                  those pages' block-table entries read beside the request's length) against after them
   FP8_SPLIT_EPILOGUE  cutedsl: the f16-register FP8 kernel's two consumers merging and storing half of O^T each
                  against consumer 0 all of it
-  FP8_F16_OPEN_END  cutedsl: the f16-register FP8 kernel's last P V products of a page left in flight into the next
-                 page's start against drained at the page's end
-  FP8_F16_PAIRS  cutedsl: the 16-row f16-register FP8 kernel taking two pages a loop iteration, the first's
-                 products in flight into the second (with open ends) against one page an iteration (with
-                 --set FP8_F16_OPEN_END=1: against open ends alone)
-  FP8_F16_ONE_BLOCK_32  cutedsl: the 32-row f16-register FP8 kernel converting K one ldmatrix block a wgmma group
-                 against two (fewer registers spilled)
   FP8_F16_STAGGER  cutedsl: the f16-register FP8 kernel's consumers asking for their second page once their first
                  has landed against both pages at the start
   FP8_F16_GROUP_S  cutedsl: the 16-row f16-register FP8 kernel's S^T by scale group from the exact e4m3 values,
@@ -268,9 +261,6 @@ SWITCHES = {
     "FP8_EARLY_START": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_EARLY_START")),
     "FP8_SPLIT_EPILOGUE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SPLIT_EPILOGUE")),
     "FP8_F16_GROUP_S": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_GROUP_S")),
-    "FP8_F16_OPEN_END": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_OPEN_END")),
-    "FP8_F16_PAIRS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_PAIRS")),
-    "FP8_F16_ONE_BLOCK_32": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_ONE_BLOCK_32")),
     "FP8_F16_STAGGER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_STAGGER")),
     "FP8_SEESAW_PREFETCH": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_PREFETCH")),
     "FP8_SEESAW_BT_SMEM": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_BT_SMEM")),

@@ -127,21 +127,6 @@ FP8_EARLY_START = True
 # writes its merge's fma out: consumer_ends.merge_stash). On an H100 (bench/NOTES.md 136; decode_ab, --sustain-ms 20,
 # off/on): b128 h16 4k / 8k 1.003 / 1.003x, h32 4k / 8k 1.003 / 1.006x, b16 h32 32k (split) 1.001x (False: for A/B)
 FP8_SPLIT_EPILOGUE = True
-# The f16-register FP8 kernel's page end: the next page's start (its barrier wait, scales and V-scale table) issued
-# between the page's last P V products and their drain (a warpgroup wait_group(0) a page), instead of after it. On
-# the H200 (bench/NOTES.md 168-169) both consumers are busy computing at b32-b128 h16 / h32 and each page starts
-# ~0.25 us after the previous one's products end (~9% of a page at h16) whatever the load: the loop's start, not the
-# memory. Built for the same bits (not yet run on a GPU). Off until measured.
-FP8_F16_OPEN_END = False
-# The f16-register FP8 kernel at 16 rows: two of a consumer's pages a loop iteration (an odd count's first alone), the
-# first's P V products left in flight into the second's start and S^T, so that half the page ends have no drain and no
-# serial start (bench/NOTES.md 171-172); at 32 rows the products in flight and S^T spill. The next page started under
-# each page's last products, as FP8_F16_OPEN_END. Built for the same bits (not yet run on a GPU). Off until measured.
-FP8_F16_PAIRS = False
-# The f16-register FP8 kernel at 32 rows: K converted one ldmatrix block (two k-steps) a wgmma group instead of two,
-# half the K fragments' registers where that kernel spills (sm_90a: 48 B of stack and 11 LDL in the page loop
-# against 88 B and 22, 16 wgmma groups a page against 8; bench/NOTES.md 173). Built for the same bits. Off until timed.
-FP8_F16_ONE_BLOCK_32 = False
 # The f16-register FP8 kernel's start: each consumer asks for its second page once its first has landed, instead of
 # both at the start. On the H200 (bench/NOTES.md 168, 174) a consumer's first page lands ~8.4 us after the start at
 # b128 h16 8k: the grid's 4 pages a CTA (21 MB) share the memory, while the consumers, not the memory, set the pace
@@ -291,16 +276,6 @@ def f16_group_s(narrow: int) -> bool:
     return FP8_F16_GROUP_S and narrow == 16
 
 
-def f16_pairs(narrow: int) -> bool:
-    """Whether the f16-register FP8 kernel of `narrow` columns takes its pages two a loop iteration (FP8_F16_PAIRS)."""
-    return FP8_F16_PAIRS and narrow == 16
-
-
-def f16_chunk(narrow: int) -> int:
-    """K blocks the f16-register FP8 kernel of `narrow` columns converts a wgmma group (FP8_F16_ONE_BLOCK_32)."""
-    return 1 if FP8_F16_ONE_BLOCK_32 and narrow == 32 else 2
-
-
 def kv_ring(rows: int) -> tuple[int, bool, int]:
     """The 16-bit kernel's KV ring for requests of `rows` query rows: (column parts a page, KV_SPLIT's ring, pages
     prefetched ahead into L2)."""
@@ -351,8 +326,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
         key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
             ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ()) + (("group-s",) if f16_group_s(narrow) else ()) + (
-            ("open-end",) if FP8_F16_OPEN_END else ()) + (("pairs",) if f16_pairs(narrow) else ()) + (
-            ("one-block",) if f16_chunk(narrow) == 1 else ()) + (("stagger",) if FP8_F16_STAGGER else ())
+            ("stagger",) if FP8_F16_STAGGER else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -377,9 +351,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
                                                        early_start=FP8_EARLY_START,
                                                        split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace,
-                                                       group_s=f16_group_s(narrow), open_end=FP8_F16_OPEN_END,
-                                                       pairs=f16_pairs(narrow), chunk=f16_chunk(narrow),
-                                                       stagger=FP8_F16_STAGGER),
+                                                       group_s=f16_group_s(narrow), stagger=FP8_F16_STAGGER),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

@@ -53,10 +53,11 @@ Start and end (bench/NOTES.md 134-136): with early_start (mla_decode.FP8_EARLY_S
 Q reads before the first pages' loads, and unsplit launches read those pages' block-table entries beside the
 request's length (1.008-1.014x on an H100); with split_epilogue (FP8_SPLIT_EPILOGUE, on) both consumers merge and
 store half of O^T each instead of consumer 0 all of it (1.001-1.006x on an H100; the same bits).
-Built, the same bits, not yet timed (off; bench/NOTES.md 169-174): open ends (a page's next page started under its
-last products), pairs (16 rows: two pages a loop iteration, the first's products in flight into the second),
-chunk 1 (32 rows: one K block a wgmma group, fewer spills), stagger (a consumer's second page asked for once its
-first has landed).
+With stagger (FP8_F16_STAGGER, on) each consumer asks for its second page once its first has landed, not both at
+the start (h32 1.009-1.016x on an H100, h16 level; the same bits). Measured slower on an H100 and taken out
+(bench/NOTES.md 169-178, bench/wip/fp8-f16-open-end-pairs-one-block.patch): a page's next page started under its
+last products (open ends, 0.978-0.991x), two pages a loop iteration at 16 rows (0.986-1.000x), one K block a wgmma
+group at 32 rows (0.962x).
 
 A wide form for more rows (64 a CTA, each consumer 32 of them over every page, converting each page twice a
 CTA) measured 0.74-0.80x the 64-row kernel on an H100 and was taken out (bench/NOTES.md 129,
@@ -105,8 +106,7 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8SeesawSm90.__call__: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False, open_end: bool = False,
-                 pairs: bool = False, chunk: int = CHUNK, stagger: bool = False):
+                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False, stagger: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -127,17 +127,6 @@ class MLADecodeFP8F16Sm90:
         # S^T from the exact e4m3 values into one accumulator per scale group, the groups' scales applied to the
         # accumulators in fp32 (mla_decode.FP8_F16_GROUP_S), instead of each K value times its scale in f16
         self.group_s = group_s
-        # two of a consumer's pages an iteration (an odd count's first alone): the first's products left in flight
-        # into the second's start and S^T, drained only at the pair's end (mla_decode.FP8_F16_PAIRS)
-        self.pairs = pairs
-        # open ends: the next page started (its barrier wait, scales, V-scale table) between the issue of a page's
-        # last P V products and their drain, instead of after the drain (mla_decode.FP8_F16_OPEN_END; pairs too)
-        self.open_ends = open_end or pairs
-        # K blocks converted a wgmma group: 2 (CHUNK), or 1 at 32 rows, where the registers spill
-        # (mla_decode.FP8_F16_ONE_BLOCK_32)
-        if chunk not in (1, 2):
-            raise ValueError(f"the FP8 f16 kernel converts 1 or 2 K blocks a wgmma group, got chunk={chunk}")
-        self.chunk = chunk
         # each consumer's second page asked for once its first has landed, instead of both at the start, so that
         # the grid's first pages do not share the memory with its second ones (mla_decode.FP8_F16_STAGGER)
         self.stagger = stagger
@@ -250,7 +239,7 @@ class MLADecodeFP8F16Sm90:
         acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, n)), Float32) for _ in range(M_TILES)]
         for m in cutlass.range_constexpr(M_TILES):
             acc_o[m].fill(0.0)
-        frag_k = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 32 * self.chunk)))
+        frag_k = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 32 * CHUNK)))
                   for _ in range(2)]
         frag_v = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((64, TILE_N))) for _ in range(2)]
         tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, n)))
@@ -310,37 +299,14 @@ class MLADecodeFP8F16Sm90:
                 load_page(tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, full, second, c + 2, lane)
         page_io = (full, k_base, start, seqlen, ctid, bar_p, trace_at, c)
         scale_io = (sSc, ks, k0, vb_key, vb_g, vb_c, vb_j, vs_base)
-        if const_expr(self.open_ends):
-            # the first page's start here; each later one's at the end of the page before, under its last products
-            # (names of their own: the DSL takes any name assigned before the loop and in it as carried by it)
-            o_st, o_tok0, o_valid, o_base = Int32(0), Int32(0), Int32(0), Int32(0)
-            if c < n_tiles:
-                o_st, o_tok0, o_valid, o_base = self._start_page(c, Int32(0), page_io, scale_io)
         ios = ((page_io, scale_io,
                 (tma_kv, tKg, tKs, tma_sc, tSg, tSs, tma_pe, tPg, tPs, mBT, batch, first_page, n_tiles),
                 (tiled_mma_pe, tiled_mma_qk, tSrKpe, tSrQpe, tSrQ, tOrP, acc_s, acc_o, acc_g, frag_k, frag_v),
                 (vis, min_vis, col_m, m_prev, col_l, alpha, m_base, fac, cols, sRed, p_addr),
                 (warp, lane, k0, k_key, k_row, k_half, bar_red, vs_base)))
         count = (n_tiles - c + 1) // 2     # this consumer's pages
-        if const_expr(self.pairs):
-            # an odd count's first page alone, drained; then two pages an iteration, only the second drained
-            odd = count % 2
-            if odd == 1:
-                next_page, o_st, o_tok0, o_valid, o_base = self._page(
-                    Int32(0), (o_st, o_tok0, o_valid, o_base), next_page, True, ios)
-            for p in cutlass.range(count // 2, unroll=1):
-                u = odd + 2 * p
-                next_page, o_st, o_tok0, o_valid, o_base = self._page(
-                    u, (o_st, o_tok0, o_valid, o_base), next_page, False, ios)
-                next_page, o_st, o_tok0, o_valid, o_base = self._page(
-                    u + 1, (o_st, o_tok0, o_valid, o_base), next_page, True, ios)
-        else:
-            for u in cutlass.range(count, unroll=1):
-                if const_expr(self.open_ends):
-                    next_page, o_st, o_tok0, o_valid, o_base = self._page(
-                        u, (o_st, o_tok0, o_valid, o_base), next_page, True, ios)
-                else:
-                    next_page = self._page(u, (), next_page, True, ios)
+        for u in cutlass.range(count, unroll=1):
+            next_page = self._page(u, next_page, ios)
 
         if const_expr(self.trace):
             if ctid == 0:
@@ -372,12 +338,10 @@ class MLADecodeFP8F16Sm90:
                     _stamp(trace_at, T_NS1, cute.arch.globaltimer_lo())
 
     @cute.jit
-    def _page(self, u: Int32, started: tuple, next_page: Int32, drain: cutlass.Constexpr[bool], ios: tuple):
-        """A consumer's u-th page, t = c + 2 u: S^T, its column maxima, P^T, O^T's rescale and its P V products,
-        and the refill of its stage with page t + STAGES (whose block-table entry, next_page, warp 0 read a page
-        before). Returns the entry of page t + 2 + STAGES, for the next page's refill; with open ends also the next
-        page's start (_start_page's stage, first token, valid tokens, stage base), issued under this page's last
-        products, before their drain, or with drain=False instead of it (the pair's first page)."""
+    def _page(self, u: Int32, next_page: Int32, ios: tuple):
+        """A consumer's u-th page, t = c + 2 u: its start (_start_page), S^T, its column maxima, P^T, O^T's rescale
+        and its P V products, and the refill of its stage with page t + STAGES (whose block-table entry, next_page,
+        warp 0 read a page before). Returns the entry of page t + 2 + STAGES, for the next page's refill."""
         page_io, scale_io, load_io, mma_io, soft_io, lane_io = ios
         full, k_base, start, seqlen, ctid, bar_p, trace_at, c = page_io
         ks = scale_io[1]
@@ -391,12 +355,9 @@ class MLADecodeFP8F16Sm90:
         later_page = Int32(0)
         if warp == 0 and t + 2 + STAGES < n_tiles:
             later_page = mBT[batch, first_page + t + 2 + STAGES]
-        if const_expr(self.open_ends):
-            st, tok0, valid, stage_base = started
-        else:
-            st, tok0, valid, stage_base = self._start_page(t, u, page_io, scale_io)
+        st, tok0, valid, stage_base = self._start_page(t, u, page_io, scale_io)
         vs_page = vs_base + (u % 2) * (VS_WORDS * 4)
-        # -- S^T: k_pe (bf16, smem), then c_kv in groups of self.chunk ldmatrix blocks (f16, registers) --
+        # -- S^T: k_pe (bf16, smem), then c_kv in groups of CHUNK ldmatrix blocks (f16, registers) --
         warpgroup.fence()
         atom_pe = cute.make_mma_atom(tiled_mma_pe.op)
         for k in cutlass.range_constexpr(cute.size(tSrKpe.shape[2])):
@@ -405,12 +366,12 @@ class MLADecodeFP8F16Sm90:
         warpgroup.commit_group()
         atom_qk = cute.make_mma_atom(tiled_mma_qk.op)
         atom_qk.set(warpgroup.Field.ACCUMULATE, True)
-        for j in cutlass.range_constexpr(K_BLOCKS // self.chunk):
+        for j in cutlass.range_constexpr(K_BLOCKS // CHUNK):
             buf = cute.recast_tensor(frag_k[j % 2], Int32)
             if const_expr(j >= 2):
                 warpgroup.wait_group(1)     # group j - 2 (the last reader of this buffer) is done
-            for b in cutlass.range_constexpr(self.chunk):
-                blk = self.chunk * j + b
+            for b in cutlass.range_constexpr(CHUNK):
+                blk = CHUNK * j + b
                 chunk = 2 * (blk % 4) + k_half
                 w = ldsm_x4(stage_base + (blk // 4) * (TILE_N * 128) + k_row + ((chunk ^ (k_key % 8)) * 16))
                 g = blk // 4
@@ -427,17 +388,17 @@ class MLADecodeFP8F16Sm90:
                     buf[4 * kk + 2] = hi0
                     buf[4 * kk + 3] = hi1
             warpgroup.fence()
-            for kk in cutlass.range_constexpr(2 * self.chunk):
+            for kk in cutlass.range_constexpr(2 * CHUNK):
                 if const_expr(self.group_s):
-                    # group (self.chunk * j) // 4's accumulator, started by its first k-step
-                    grp = (self.chunk * j) // 4
+                    # group (CHUNK * j) // 4's accumulator, started by its first k-step
+                    grp = (CHUNK * j) // 4
                     atom_g = cute.make_mma_atom(tiled_mma_qk.op)
-                    atom_g.set(warpgroup.Field.ACCUMULATE, not ((self.chunk * j) % 4 == 0 and kk == 0))
+                    atom_g.set(warpgroup.Field.ACCUMULATE, not ((CHUNK * j) % 4 == 0 and kk == 0))
                     cute.gemm(atom_g, acc_g[grp], frag_k[j % 2][None, None, kk],
-                              tSrQ[None, None, 2 * self.chunk * j + kk], acc_g[grp])
+                              tSrQ[None, None, 2 * CHUNK * j + kk], acc_g[grp])
                 else:
                     cute.gemm(atom_qk, acc_s, frag_k[j % 2][None, None, kk],
-                              tSrQ[None, None, 2 * self.chunk * j + kk], acc_s)
+                              tSrQ[None, None, 2 * CHUNK * j + kk], acc_s)
             warpgroup.commit_group()
         warpgroup.wait_group(0)
         if const_expr(self.group_s):
@@ -501,21 +462,9 @@ class MLADecodeFP8F16Sm90:
             for kk in cutlass.range_constexpr(TILE_N // 16):
                 cute.gemm(atom_qk, acc_o[m], frag_v[m % 2][None, None, kk], tOrP[None, None, kk, c], acc_o[m])
             warpgroup.commit_group()
-        if const_expr(self.open_ends):
-            # the page's products issued (its end in a trace); the next page's start under them, then the drain
-            # unless the next page is the pair's second (no wgmma may be in flight across the loop's back edge:
-            # ptxas would serialize them all)
-            self._stamp_end(trace_at, ctid, t)
-            st, tok0, valid, stage_base = started
-            if t + 2 < n_tiles:
-                st, tok0, valid, stage_base = self._start_page(t + 2, u + 1, page_io, scale_io)
-            if const_expr(drain):
-                warpgroup.wait_group(0)
-            return later_page, st, tok0, valid, stage_base
-        else:
-            warpgroup.wait_group(0)
-            self._stamp_end(trace_at, ctid, t)
-            return later_page
+        warpgroup.wait_group(0)
+        self._stamp_end(trace_at, ctid, t)
+        return later_page
 
     @cute.jit
     def _start_page(self, t: Int32, u: Int32, page_io: tuple, scale_io: tuple):
@@ -535,7 +484,7 @@ class MLADecodeFP8F16Sm90:
 
     @cute.jit
     def _stamp_end(self, trace_at: cutlass.Int64, ctid: Int32, t: Int32):
-        """A traced launch's clock of page t's products' end (issued, with open ends)."""
+        """A traced launch's clock of page t's products' end."""
         if const_expr(self.trace):
             if ctid == 0 and t < TRACE_PAGES:
                 _stamp(trace_at, T_PAGES_AT + 2 * t + 1, cute.arch.clock())
