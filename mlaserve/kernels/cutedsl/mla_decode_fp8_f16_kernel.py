@@ -41,7 +41,7 @@ c and c + 2 of 4, which it refills itself), each with its own O^T, maxima and su
 through consumer 1's stages. A stage holds a page's four e4m3 boxes (32 KB), its scales [64, 4] fp32 and k_pe
 (8 KB). Smem at N 32: stages 4 x 41 KB + Q 36 KB + P^T 2 x 4 KB + the V scales' table 4 KB = 214 KB.
 
-SASS (sm_90a, N 32): 255 registers, 88 bytes of stack, the page loop 1506 instructions (the FP8-MMA kernel at
+SASS (sm_90a, N 32): 255 registers, 96 bytes of stack, the page loop 1506 instructions (the FP8-MMA kernel at
 N 32: 2012), of them 256 F2FP.F16.E4M3.UNPACK_B and 256 HMUL2 (the conversions), 68 HGMMA, 22 LDL.
 Measured on an H100 (bench/NOTES.md 126; decode_ab against the kernels it replaces, --sustain-ms 20): b128 h32
 8k / 32k 1.064 / 1.127x, h16 s_q2 8k 1.067x, h16 4k / 8k / 32k 1.018 / 1.013 / 1.007x, h32 4k 0.996x; FP8 over
