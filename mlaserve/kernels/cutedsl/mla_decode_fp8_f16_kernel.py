@@ -239,8 +239,7 @@ class MLADecodeFP8F16Sm90:
         acc_o = [cute.make_rmem_tensor(thr_pe.partition_shape_C((64, n)), Float32) for _ in range(M_TILES)]
         for m in cutlass.range_constexpr(M_TILES):
             acc_o[m].fill(0.0)
-        frag_k = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 32 * CHUNK)))
-                  for _ in range(2)]
+        frag_k = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 32 * CHUNK))) for _ in range(2)]
         frag_v = [tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((64, TILE_N))) for _ in range(2)]
         tOcO = thr_pe.partition_C(cute.make_identity_tensor((64, n)))
 
