@@ -280,13 +280,11 @@ if has_phase bench; then
 print(','.join([*BACKENDS, *peers.PEERS]))" 2>/dev/null || echo all)
     fi
     others=$(tr ',' '\n' <<<"$backends" | grep -v -x flashmla | paste -sd, -)
-    alone=0   # FlashMLA's rows from a process of their own
-    if [ "$suite" = sparse ] || tr ',' '\n' <<<"$backends" | grep -q -x flashinfer; then alone=1; fi
-    if [ $alone = 1 ] && [ "$others" != "$backends" ] && [ -n "$others" ]; then
+    if [ "$others" != "$backends" ] && [ -n "$others" ]; then
       # FlashMLA's FP8 sparse decode faulted in every process where other backends had run the shape's bf16 rows
       # first, and ran clean in one of its own (bench/NOTES.md 106); its dense bf16 decode faulted (illegal
-      # address) on the first shape after cutedsl and FlashInfer had run it, and ran clean beside cutedsl alone
-      # (NOTES 130): its rows come from a second process
+      # address) on the first shape after cutedsl and FlashInfer had run it (NOTES 130), and after cutedsl alone
+      # (NOTES 181): its rows come from a second process
       lim1=$((lim * 2 / 3)); lim2=$((lim - lim1))
       flags[3]=$others; flags[8]=$(( lim1 > 40 ? lim1 - 35 : 5 ))       # --backends, --time-budget
       run_phase "bench-$suite" "$lim1" "$OUT/bench.log" python3 -m mlaserve.cli bench kernels "${flags[@]}"
