@@ -38,9 +38,7 @@ def mask_keys(acc_s: cute.Tensor, tok0: Int32, k0: Int32, vis: cute.Tensor, min_
     """S to -inf where a key (token tok0 + k0 (+ 8)) is past what its column sees (vis[slot]); pages that end
     before min_vis, the fewest keys any column sees, need no test."""
     if tok0 + 64 > min_vis:
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, n)]:
-                acc_s[i] = -Float32.inf
+        _mask_past(acc_s, tok0, k0, vis, n)
 
 
 @cute.jit
@@ -52,9 +50,15 @@ def mask_keys_at(acc_s: cute.Tensor, tok0: Int32, k0: Int32, seqlen: Int32, s_q:
         vis = cute.make_rmem_tensor(len(cols), Int32)
         for s in cutlass.range_constexpr(len(cols)):
             vis[s] = visible_keys(seqlen, s_q, h, cols[s], causal)
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, n)]:
-                acc_s[i] = -Float32.inf
+        _mask_past(acc_s, tok0, k0, vis, n)
+
+
+@cute.jit
+def _mask_past(acc_s: cute.Tensor, tok0: Int32, k0: Int32, vis: cute.Tensor, n: cutlass.Constexpr[int]):
+    """S to -inf where a key is past what its column sees."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, n)]:
+            acc_s[i] = -Float32.inf
 
 
 @cute.jit
