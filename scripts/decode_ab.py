@@ -31,8 +31,6 @@ switches, read at launch (so captured with each graph):
                  against consumer 0 all of it
   FP8_F16_STAGGER  cutedsl: the f16-register FP8 kernel's consumers asking for their second page once their first
                  has landed against both pages at the start
-  FP8_F16_LEAN_COLUMNS  cutedsl: the f16-register FP8 kernel's P^T addresses as two registers and its columns'
-                 visible keys worked out on masked pages only, against n / 4 registers of each through the loop
   FP8_F16_GROUP_S  cutedsl: the 16-row f16-register FP8 kernel's S^T by scale group from the exact e4m3 values,
                  the scales applied to the groups' accumulators in fp32, against each K value scaled in f16
   FP8_SEESAW_PREFETCH  cutedsl: FP8 at more than 32 rows (the seesaw's register-path loader) asking L2 for the page
@@ -264,7 +262,6 @@ SWITCHES = {
     "FP8_SPLIT_EPILOGUE": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SPLIT_EPILOGUE")),
     "FP8_F16_GROUP_S": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_GROUP_S")),
     "FP8_F16_STAGGER": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_STAGGER")),
-    "FP8_F16_LEAN_COLUMNS": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_F16_LEAN_COLUMNS")),
     "FP8_SEESAW_PREFETCH": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_PREFETCH")),
     "FP8_SEESAW_BT_SMEM": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "FP8_SEESAW_BT_SMEM")),
     "STORE_16B": ("cutedsl", _module_flag("mlaserve.kernels.cutedsl.mla_decode", "STORE_16B")),

@@ -712,8 +712,7 @@ def test_fp8_f16_group_s_matches_the_exact_entries(monkeypatch, lens, s_q, h, ca
     assert err <= err0 + 1e-4, f"lse off the exact entries by {err:.2e} grouped, {err0:.2e} not"
 
 
-@pytest.mark.parametrize("switch", ["FP8_EARLY_START", "FP8_SPLIT_EPILOGUE", "FP8_F16_STAGGER",
-                                    "FP8_F16_LEAN_COLUMNS"])
+@pytest.mark.parametrize("switch", ["FP8_EARLY_START", "FP8_SPLIT_EPILOGUE", "FP8_F16_STAGGER"])
 @pytest.mark.parametrize("lens, s_q, h, num_splits", [
     ([1, 63, 64, 4096], 1, 16, 1),          # unsplit: the first pages' block-table entries read early
     ([1, 2], 1, 32, 1),                     # a two-column block table (the early reads of columns 2, 3 clamp)
@@ -725,12 +724,11 @@ def test_fp8_f16_group_s_matches_the_exact_entries(monkeypatch, lens, s_q, h, ca
     ([64 * i + 1 + i % 64 for i in range(12)], 1, 16, None),  # 16 rows, 1-12 pages: each consumer's count odd, even
 ], ids=lambda v: str(v) if not isinstance(v, list) else f"b{len(v)}")
 def test_fp8_f16_switches_give_the_same_bits(monkeypatch, switch, lens, s_q, h, num_splits):
-    """The f16-register kernel's same-bits switches, each on against off with the others at their defaults:
+    """The f16-register kernel's start and end switches, each on against off with the others at their defaults:
     mla_decode.FP8_EARLY_START (Q's reads ahead of the first page loads, and unsplit, those pages' block-table
     entries beside the request's length), FP8_SPLIT_EPILOGUE (both consumers merge and store half of O^T each;
-    odd page counts leave consumer 1 one page fewer), FP8_F16_STAGGER (each consumer's second page asked for
-    once its first has landed) and FP8_F16_LEAN_COLUMNS (P^T's addresses from two registers, the columns' visible
-    keys worked out on masked pages). On NaN-poisoned unused slots, against the reference on the cache's exact entries,
+    odd page counts leave consumer 1 one page fewer) and FP8_F16_STAGGER (each consumer's second page asked for
+    once its first has landed). On NaN-poisoned unused slots, against the reference on the cache's exact entries,
     and the same bits as off."""
     q, kv, table, seqlens = check.make_fp8_case(lens, s_q, h, seed=len(lens) + 7 * h)
     monkeypatch.setattr(cd, "uses_fp8_f16", check.fp8_f16_any_split(cd))

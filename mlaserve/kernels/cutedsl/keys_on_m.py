@@ -14,7 +14,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from mlaserve.kernels.cutedsl.request_rows import visible_keys
 from mlaserve.kernels.cutedsl.split_consumers import move_row_max
 
 WARPS = 4
@@ -38,27 +37,9 @@ def mask_keys(acc_s: cute.Tensor, tok0: Int32, k0: Int32, vis: cute.Tensor, min_
     """S to -inf where a key (token tok0 + k0 (+ 8)) is past what its column sees (vis[slot]); pages that end
     before min_vis, the fewest keys any column sees, need no test."""
     if tok0 + 64 > min_vis:
-        _mask_past(acc_s, tok0, k0, vis, n)
-
-
-@cute.jit
-def mask_keys_at(acc_s: cute.Tensor, tok0: Int32, k0: Int32, seqlen: Int32, s_q: Int32, h: Int32, cols: list,
-                 min_vis: Int32, n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool]):
-    """mask_keys with each column's visible keys worked out on the pages that need the test only, instead of
-    held in n / 4 registers for the whole page loop."""
-    if tok0 + 64 > min_vis:
-        vis = cute.make_rmem_tensor(len(cols), Int32)
-        for s in cutlass.range_constexpr(len(cols)):
-            vis[s] = visible_keys(seqlen, s_q, h, cols[s], causal)
-        _mask_past(acc_s, tok0, k0, vis, n)
-
-
-@cute.jit
-def _mask_past(acc_s: cute.Tensor, tok0: Int32, k0: Int32, vis: cute.Tensor, n: cutlass.Constexpr[int]):
-    """S to -inf where a key is past what its column sees."""
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, n)]:
-            acc_s[i] = -Float32.inf
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            if tok0 + k0 + 8 * ((i // 2) % 2) >= vis[col_slot(i, n)]:
+                acc_s[i] = -Float32.inf
 
 
 @cute.jit

@@ -141,12 +141,6 @@ FP8_F16_STAGGER = True
 # (bench/NOTES.md 150; decode_ab, --sustain-ms 20): b128 h16 4k / 8k / 32k 1.001 / 1.001 / 1.002x, b16 h16 32k
 # (split) 1.003x, b128 h8 s_q2 4k 1.002x (False: for A/B runs)
 FP8_F16_GROUP_S = True
-# The f16-register FP8 kernel's per-column registers: P^T's store addresses as two (a thread's column pairs; the
-# others 1024 bytes on, immediate offsets) instead of n / 4, and the columns' visible keys worked out on the pages
-# that are masked instead of n / 4 registers held through the page loop. At 32 rows the loop reloads 22 spilled
-# setup words a page (bench/NOTES.md 176), among them these; sm_90a SASS in NOTES 182. The same bits (GPU test).
-# Built, not yet run on a GPU: off until measured (decode_ab --switch FP8_F16_LEAN_COLUMNS)
-FP8_F16_LEAN_COLUMNS = False
 # The keys-on-M FP8 kernels (FP8-MMA, narrow) read each refill's block-table entry a page before the refill, where
 # a read at the refill held the refilling warp (and the page's chain behind it) for the read's latency. On the H200
 # (bench/NOTES.md 71): N 32 (h32 s_q1, h16 s_q2) 1.05x, FP8-MMA 1.005-1.01x; the 64-row kernel does not (0.97-0.99x)
@@ -332,7 +326,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
                              f"narrow={narrow}, fp8_mma={fp8_mma}")
         key += ("fp8-f16",) + (("early-start",) if FP8_EARLY_START else ()) + (
             ("split-epilogue",) if FP8_SPLIT_EPILOGUE else ()) + (("group-s",) if f16_group_s(narrow) else ()) + (
-            ("stagger",) if FP8_F16_STAGGER else ()) + (("lean-columns",) if FP8_F16_LEAN_COLUMNS else ())
+            ("stagger",) if FP8_F16_STAGGER else ())
     if kv_fp8 and narrow and not BT_AHEAD:
         key += ("bt-at-refill",)
     if fp8_mma and not FP8_MMA_VEC_IO:
@@ -357,8 +351,7 @@ def _kernel(dtype: torch.dtype, causal: bool, split: bool, kv_fp8: bool = False,
             fn = cute.compile(kmod.MLADecodeFP8F16Sm90(causal=causal, is_split=split, n=narrow, ordered=ordered,
                                                        early_start=FP8_EARLY_START,
                                                        split_epilogue=FP8_SPLIT_EPILOGUE, trace=trace,
-                                                       group_s=f16_group_s(narrow), stagger=FP8_F16_STAGGER,
-                                                       lean_columns=FP8_F16_LEAN_COLUMNS),
+                                                       group_s=f16_group_s(narrow), stagger=FP8_F16_STAGGER),
                               *_fp8_pointers((None,) * 8, ordered, split), *scalars)
         elif fp8_mma:
             kmod = importlib.import_module("mlaserve.kernels.cutedsl.mla_decode_fp8_mma_kernel")

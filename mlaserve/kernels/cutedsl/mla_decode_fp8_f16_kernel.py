@@ -78,7 +78,7 @@ from mlaserve.kernels.cutedsl.fp8_pages import D_PE, D_QK, D_V, TILE_N, fp8_io_t
 from mlaserve.kernels.cutedsl.fragment_ops import (
     cvt_pair, e4m3x4_to_f16, e4m3x4_to_f16_exact, ld_shared_v4, ldsm_x4, st_shared_words, v_fragment)
 from mlaserve.kernels.cutedsl.keys_on_m import (
-    col_slot, columns, exp_columns, mask_keys, mask_keys_at, publish_column_max, rescale_moved, take_column_max)
+    col_slot, columns, exp_columns, mask_keys, publish_column_max, rescale_moved, take_column_max)
 from mlaserve.kernels.cutedsl.boxed_pages import (
     BAR_RED, CONSUMER_THREADS, GROUPS, KV_BYTES, M_TILES, STAGES, THREADS, WARPS, first_pages, kernel_start,
     load_page, page_host_setup, wait_page)
@@ -106,8 +106,7 @@ class MLADecodeFP8F16Sm90:
     arguments of MLADecodeFP8SeesawSm90.__call__: s_q * h <= n (n 16 or 32)."""
 
     def __init__(self, causal: bool, is_split: bool, n: int = 32, ordered: bool = False, early_start: bool = False,
-                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False, stagger: bool = False,
-                 lean_columns: bool = False):
+                 split_epilogue: bool = False, trace: bool = False, group_s: bool = False, stagger: bool = False):
         if n not in (16, 32):
             raise ValueError(f"the FP8 f16 kernel takes 16 or 32 query rows, got n={n}")
         if trace and (is_split or ordered):
@@ -131,10 +130,6 @@ class MLADecodeFP8F16Sm90:
         # each consumer's second page asked for once its first has landed, instead of both at the start, so that
         # the grid's first pages do not share the memory with its second ones (mla_decode.FP8_F16_STAGGER)
         self.stagger = stagger
-        # P^T's store addresses as the two of a thread's column pairs (the others 1024 bytes apart: immediate
-        # offsets), and the columns' visible keys worked out on masked pages only, instead of n / 4 registers of
-        # each held through the page loop (mla_decode.FP8_F16_LEAN_COLUMNS)
-        self.lean_columns = lean_columns
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kv_ptr: cute.Pointer, rope_ptr: cute.Pointer, bt_ptr: cute.Pointer,
@@ -256,23 +251,11 @@ class MLADecodeFP8F16Sm90:
         # V^T fragments' key order, module docstring) of row cols[s], 128-byte swizzle (16-byte chunk j of a
         # row at j ^ (row % 8))
         p_pos = q + 7 * (q % 2)
-        if const_expr(self.lean_columns):
-            # column cols[s] = 8 (s // 2) + e, e = 2 (lane % 4) + s % 2 < 8: its address is pair s % 2's plus
-            # (s // 2) * 1024
-            p_addr = cute.make_rmem_tensor(2, Int32)
-            for e in cutlass.range_constexpr(2):
-                col8 = 2 * (lane % 4) + e
-                p_addr[e] = (storage.sPt.data_ptr().toint() + c * (n * TILE_N * 2) + col8 * 128
-                             + ((2 * warp + p_pos // 8) ^ col8) * 16 + (p_pos % 8) * 2)
-        else:
-            p_addr = cute.make_rmem_tensor(slots, Int32)
-            for s in cutlass.range_constexpr(slots):
-                p_addr[s] = (storage.sPt.data_ptr().toint() + c * (n * TILE_N * 2) + (cols[s] // 8) * 1024
-                             + (cols[s] % 8) * 128 + ((2 * warp + p_pos // 8) ^ (cols[s] % 8)) * 16
-                             + (p_pos % 8) * 2)
-        vis = (s_q, h)      # lean columns: what mask_keys_at needs
-        if const_expr(not self.lean_columns):
-            vis = cute.make_rmem_tensor(slots, Int32)
+        p_addr = cute.make_rmem_tensor(slots, Int32)
+        for s in cutlass.range_constexpr(slots):
+            p_addr[s] = (storage.sPt.data_ptr().toint() + c * (n * TILE_N * 2) + (cols[s] // 8) * 1024
+                         + (cols[s] % 8) * 128 + ((2 * warp + p_pos // 8) ^ (cols[s] % 8)) * 16 + (p_pos % 8) * 2)
+        vis = cute.make_rmem_tensor(slots, Int32)
         col_m = cute.make_rmem_tensor(slots, Float32)
         m_prev = cute.make_rmem_tensor(slots, Float32)
         col_l = cute.make_rmem_tensor(slots, Float32)
@@ -284,8 +267,7 @@ class MLADecodeFP8F16Sm90:
         if const_expr(self.group_s):
             acc_g = [cute.make_rmem_tensor(thr_pe.partition_shape_C((TILE_N, n)), Float32) for _ in range(GROUPS)]
         for s in cutlass.range_constexpr(slots):
-            if const_expr(not self.lean_columns):
-                vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
+            vis[s] = visible_keys(seqlen, s_q, h, cols[s], self.causal)
             col_m[s] = -Float32.inf
             col_l[s] = 0.0
             m_base[s] = 0.0
@@ -429,10 +411,7 @@ class MLADecodeFP8F16Sm90:
         else:
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = acc_s[i] * fac[col_slot(i, n)]
-        if const_expr(self.lean_columns):
-            mask_keys_at(acc_s, tok0, k0, seqlen, vis[0], vis[1], cols, min_vis, n, self.causal)
-        else:
-            mask_keys(acc_s, tok0, k0, vis, min_vis, n)
+        mask_keys(acc_s, tok0, k0, vis, min_vis, n)
         # -- column maxima: own rows, the warp, then the 4 warps --
         publish_column_max(acc_s, cols, lane, warp, sRed, (u % 2, c))
         cute.arch.barrier(barrier_id=bar_red, number_of_threads=CONSUMER_THREADS)
@@ -443,10 +422,7 @@ class MLADecodeFP8F16Sm90:
         # -- P^T in f16: keys k0, k0 + 8 of a column as one pair --
         for s in cutlass.range_constexpr(slots):
             i = 4 * (s // 2) + s % 2          # value i: key k0 of column cols[s]; i + 2: key k0 + 8
-            if const_expr(self.lean_columns):
-                st_shared_words(p_addr[s % 2] + (s // 2) * 1024, [cvt_pair(acc_s[i], acc_s[i + 2])])
-            else:
-                st_shared_words(p_addr[s], [cvt_pair(acc_s[i], acc_s[i + 2])])
+            st_shared_words(p_addr[s], [cvt_pair(acc_s[i], acc_s[i + 2])])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=bar_p, number_of_threads=CONSUMER_THREADS)
         # -- O^T = alpha O^T + sum_m V^T_m P^T (rescaled only where a column's max moved) --
