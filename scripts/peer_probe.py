@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from mlaserve.bench import limits, peers, runners
+from mlaserve.bench import kernels as bench_kernels
+from mlaserve.bench import limits, runners
 from mlaserve.bench.inputs import make_dense, make_sparse
 from mlaserve.bench.shapes import DenseShape, SparseShape
 
@@ -81,18 +82,12 @@ def _shared_tensors(inputs) -> dict[str, torch.Tensor]:
 
 def _probe(name: str, shape, case: str, inputs, subset, ref, device, timed: bool) -> int:
     """One backend's first call on the case, checked (and timed as the benchmark times it): 1 when it failed."""
-    if name in peers.PEERS:
-        reason = peers.unavailable_reason(name, device)
-        prepare = peers.prepare
-    else:
-        op = "mla_decode" if isinstance(shape, DenseShape) else "sparse_mla"
-        reason = runners.ops_unavailable_reason(name, op, device)
-        prepare = runners.prepare_ops
+    reason = bench_kernels.unavailable_reason(name, shape.suite, device)
     if reason is not None:
         print(f"SKIP {name}: {reason}")
         return 0
     try:
-        prepared = prepare(name, shape, inputs)
+        prepared = bench_kernels.prepare(name, shape, inputs)
     except runners.Unsupported as e:
         print(f"SKIP {name} {case}: {e}")
         return 0

@@ -35,6 +35,20 @@ from mlaserve.bench.shapes import (SUITES, DenseShape, IndexerShape, Shape, Spar
 from mlaserve.ops.registry import BACKENDS
 
 OPS = {"dense": "mla_decode", "sparse": "sparse_mla", "indexer": "indexer_topk"}
+
+
+def unavailable_reason(name: str, suite: str, device: torch.device) -> str | None:
+    """Why backend `name` (mlaserve's own or a peer) cannot run `suite` on `device`; None when it can."""
+    if name in BACKENDS:
+        return runners.ops_unavailable_reason(name, OPS[suite], device)
+    return peers.unavailable_reason(name, device)
+
+
+def prepare(name: str, shape: Shape, inputs) -> runners.Prepared:
+    """Backend `name`'s calls (mlaserve's own or a peer's) on `shape`'s inputs."""
+    if name in BACKENDS:
+        return runners.prepare_ops(name, shape, inputs)
+    return peers.prepare(name, shape, inputs)
 ROTATE_BYTES = 512 << 20   # input sets together span this much, so the 60 MB L2 never holds a set
 _REPO = Path(__file__).resolve().parents[2]
 _STICKY = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address",
@@ -169,21 +183,13 @@ class Bench:
         key = (name, suite)
         if key not in self._reasons:
             try:
-                if name in BACKENDS:
-                    self._reasons[key] = runners.ops_unavailable_reason(name, OPS[suite], self.device)
-                else:
-                    self._reasons[key] = peers.unavailable_reason(name, self.device)
+                self._reasons[key] = unavailable_reason(name, suite, self.device)
             except Exception as e:   # e.g. a kernel module that fails to import: its rows say why
                 traceback.print_exc()
                 self._reasons[key] = f"availability check failed: {type(e).__name__}: {str(e)[:300]}"
             self.data["backends"].setdefault(name, {"kind": "mlaserve" if name in BACKENDS else "peer"})
             self.data["backends"][name].setdefault("unavailable", {})[suite] = self._reasons[key]
         return self._reasons[key]
-
-    def _prepare(self, name: str, shape: Shape, inputs) -> runners.Prepared:
-        if name in BACKENDS:
-            return runners.prepare_ops(name, shape, inputs)
-        return peers.prepare(name, shape, inputs)
 
     def log(self, msg: str, bar=None):
         (bar.write if bar is not None and not self.args.disable_tqdm else print)(msg)
@@ -270,7 +276,7 @@ class Bench:
                     row["reason"] = (f"torch reference not timed: one call estimated at {est_ms:.0f} ms "
                                      f"(> --torch-max-ms {self.args.torch_max_ms:g}); it validated the others")
                     return None
-            prepared = self._prepare(name, shape, inputs)
+            prepared = prepare(name, shape, inputs)
             result = prepared.calls[0]()
             _sync(self.device)
             want = ref if prepared.reference is None else prepared.reference(subset)
